@@ -1,0 +1,56 @@
+# The two set-up commands from the README:  make demo  and  make test.
+# Both create the virtualenv and install on first use; nothing else is needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DURATION ?= 60
+PYTEST_ARGS ?=
+DURABLE_TEST_DATABASE_URL ?= postgres://durable:durable@127.0.0.1:5432/durable
+SQLITE_TEST_URL := sqlite:///$(CURDIR)/.test-db.sqlite3
+export DURABLE_TEST_DATABASE_URL
+
+.PHONY: venv demo test test-sqlite test-postgres lint docs pg-setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/python manage.py migrate --noinput -v 0
+	$(BIN)/python manage.py demo --duration $(DURATION)
+
+test: test-sqlite test-postgres
+
+test-sqlite: venv
+	@echo "== test suite on SQLite ($(shell $(BIN)/python -c 'import django,sys;print("Django",django.__version__,"Python",sys.version.split()[0])'))"
+	DATABASE_URL=$(SQLITE_TEST_URL) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-postgres: venv
+	@if $(BIN)/python scripts/pg_reachable.py "$(DURABLE_TEST_DATABASE_URL)"; then \
+		echo "== test suite on PostgreSQL"; \
+		DATABASE_URL="$(DURABLE_TEST_DATABASE_URL)" DURABLE_EXPECT_POSTGRES=1 \
+			$(BIN)/python -m pytest $(PYTEST_ARGS); \
+	elif [ "$(DURABLE_REQUIRE_POSTGRES)" = "1" ]; then \
+		echo "PostgreSQL is required (DURABLE_REQUIRE_POSTGRES=1) but not reachable"; exit 1; \
+	else \
+		echo "== PostgreSQL run skipped: not reachable (run 'make pg-setup' to create the role)"; \
+	fi
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
+
+pg-setup:
+	bash scripts/pg_setup.sh
+
+clean:
+	rm -rf $(VENV) site .test-db.sqlite3 db.sqlite3 test_db.sqlite3

@@ -1,0 +1,37 @@
+"""Clocks: the only source of time in durable.
+
+Everything takes a :class:`Clock` and asks it ``now_ms()`` (integer UTC epoch
+milliseconds); nothing else calls ``time.time()``. Tests inject
+:class:`durable.testing.ManualClock` and move time by hand instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Anything that tells the current time in integer UTC epoch milliseconds."""
+
+    def now_ms(self) -> int:
+        """Return the current time as integer UTC epoch milliseconds."""
+        ...
+
+
+class SystemClock:
+    """The machine's wall clock, optionally corrected by a measured offset.
+
+    The worker sets ``offset_ms`` to (database clock - local clock) so that it fires by
+    database time: a worker whose clock runs fast still never fires early (DESIGN §2).
+    """
+
+    def __init__(self, offset_ms: int = 0) -> None:
+        self.offset_ms = offset_ms
+
+    def now_ms(self) -> int:
+        """Return wall-clock time plus the measured offset, in epoch milliseconds."""
+        return time.time_ns() // 1_000_000 + self.offset_ms
+
+    def __repr__(self) -> str:
+        return f"SystemClock(offset_ms={self.offset_ms})"

@@ -1,0 +1,55 @@
+"""The exception tree. Every error durable raises on purpose is a ``DurableError``.
+
+Errors carry structured attributes (Temporal's habit) so callers and logs can act on
+them without parsing messages; the class docstring is the default message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DurableError(Exception):
+    """A durable operation failed."""
+
+    def __init__(self, message: str | None = None, **attrs: Any) -> None:
+        self.attrs = attrs
+        for key, value in attrs.items():
+            setattr(self, key, value)
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class TimerError(DurableError):
+    """A timer could not be scheduled, cancelled or fired."""
+
+
+class UnknownHandler(TimerError):
+    """No handler is registered under that name."""
+
+
+class PayloadError(TimerError):
+    """A payload is not JSON-serializable or is too large."""
+
+
+class ShardError(DurableError):
+    """A shard lease operation failed."""
+
+
+class LeaseLost(ShardError):
+    """This worker no longer holds the shard's lease (its fencing token is stale)."""
+
+
+class ScheduleError(DurableError):
+    """A cron or interval schedule is invalid."""
+
+
+class WorkflowError(DurableError):
+    """A workflow run failed or was misused."""
+
+
+class NonDeterminismError(WorkflowError):
+    """Replay found a different call than the one recorded at this sequence number."""
+
+
+class StepFailed(WorkflowError):
+    """A workflow step exhausted its attempts."""
