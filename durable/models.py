@@ -1,3 +1,134 @@
-"""durable's models: the rows that make timers, leases and workflows durable."""
+"""durable's models: the rows that make timers and shard ownership durable.
+
+Every row is written with the ORM in the caller's transaction (DESIGN §4): scheduling in
+a transaction that rolls back leaves nothing behind. Times the worker computes with are
+integer UTC epoch milliseconds (``*_ms``); timestamps meant for people are datetimes.
+"""
 
 from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class TimerState(models.TextChoices):
+    """Life cycle of a timer: pending → (firing →) fired | failed; pending → canceled."""
+
+    PENDING = "pending", "pending"
+    FIRING = "firing", "firing (claimed by an external handler)"
+    FIRED = "fired", "fired"
+    FAILED = "failed", "failed (dead letter)"
+    CANCELED = "canceled", "canceled"
+
+
+class TimerKind(models.TextChoices):
+    """What firing a timer does."""
+
+    HANDLER = "handler", "handler"
+    CELERY = "celery", "Celery task"
+    WORKFLOW = "workflow", "workflow wake-up"
+    CRON = "cron", "cron occurrence"
+
+
+class Timer(models.Model):
+    """One durable timer: fire ``target`` with ``args``/``kwargs`` at ``fire_at_ms``.
+
+    ``shard`` routes it to the worker that owns that shard; ``bucket`` (``fire_at_ms >>
+    BUCKET_SHIFT``) lets the worker load just the near-term part of a shard, so the
+    database is the timing wheel's coarsest level.
+    """
+
+    shard = models.PositiveSmallIntegerField()
+    bucket = models.BigIntegerField()
+    fire_at_ms = models.BigIntegerField(help_text="when to fire, UTC epoch milliseconds")
+    state = models.CharField(max_length=10, choices=TimerState.choices, default=TimerState.PENDING)
+    kind = models.CharField(max_length=10, choices=TimerKind.choices, default=TimerKind.HANDLER)
+    target = models.CharField(max_length=255, help_text="handler dotted name or task name")
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    key = models.CharField(
+        max_length=255, null=True, blank=True, unique=True, help_text="idempotency key"
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=5)
+    backoff_base_s = models.FloatField(default=1.0)
+    backoff_max_s = models.FloatField(default=3600.0)
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
+    )
+    on_complete = models.CharField(max_length=255, blank=True, default="")
+    context = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    fired_token = models.BigIntegerField(
+        null=True, blank=True, help_text="lease token of the transaction that fired it"
+    )
+    claim_expires_ms = models.BigIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    fired_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # The loader and the rescan: pending rows of one shard by bucket, then fire time.
+            models.Index(
+                fields=["shard", "bucket", "fire_at_ms"],
+                name="durable_timer_pending_idx",
+                condition=Q(state="pending"),
+            ),
+            # Reclaiming external fires whose claim expired.
+            models.Index(
+                fields=["shard", "claim_expires_ms"],
+                name="durable_timer_firing_idx",
+                condition=Q(state="firing"),
+            ),
+            # Retention pruning of finished rows, oldest first.
+            models.Index(
+                fields=["updated_at"],
+                name="durable_timer_done_idx",
+                condition=Q(state__in=["fired", "canceled"]),
+            ),
+            models.Index(
+                fields=["state", "fire_at_ms"],
+                name="durable_timer_state_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"Timer {self.pk} {self.target} @ {self.fire_at_ms} ({self.state})"
+
+
+class ShardLease(models.Model):
+    """Who owns a shard, until when, and the fencing token of that ownership.
+
+    ``token`` increases at every change of owner. Every transaction that fires a timer
+    locks this row and checks the token, so a worker that lost the lease (paused, cut
+    off, slow) cannot commit a fire after another worker took over.
+    """
+
+    shard = models.PositiveSmallIntegerField(primary_key=True)
+    owner = models.CharField(max_length=200, blank=True, default="")
+    token = models.BigIntegerField(default=0)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    cursor_ms = models.BigIntegerField(
+        default=0, help_text="everything due up to this instant has been fired"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"shard {self.shard} → {self.owner or '(free)'} #{self.token}"
+
+
+class WorkerNode(models.Model):
+    """A running (or recently stopped) ``run_timer_shards`` process."""
+
+    name = models.CharField(max_length=200, unique=True)
+    host = models.CharField(max_length=255, blank=True, default="")
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField(db_index=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    shards = models.JSONField(default=list, blank=True, help_text="shards held")
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,1 @@
+"""Dispatch: what firing a timer calls (handler registry, fire context, brokers)."""

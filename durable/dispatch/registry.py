@@ -1,0 +1,98 @@
+"""The handler registry: ``@durable.handler`` functions, by dotted name.
+
+A handler's name is ``"<module>.<qualname>"``; that string is what a ``Timer`` stores in
+``target``. At fire time the worker resolves the name, importing the module when the
+handler is not registered yet (the decorator registers on import), so a worker does not
+need to import every handler module up front. A name that cannot be resolved raises
+:class:`~durable.exceptions.UnknownHandler`, which fails that timer, not the worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from durable.core.backoff import Backoff
+from durable.exceptions import UnknownHandler
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandlerSpec:
+    """A registered handler and its firing policy."""
+
+    name: str
+    fn: Callable[..., Any]
+    atomic: bool = True
+    """Run inside the transaction that marks the timer fired (exactly-once DB effect)."""
+    max_attempts: int | None = None
+    """Attempts before dead letter; ``None`` uses ``DURABLE["MAX_ATTEMPTS"]``."""
+    backoff: Backoff | None = None
+    """Retry policy; ``None`` uses the ``BACKOFF_*`` settings."""
+
+
+def handler_name(fn: Callable[..., Any]) -> str:
+    """Return the dotted name a function is registered and stored under."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname:
+        raise TypeError(f"{fn!r} has no __module__/__qualname__; handlers must be functions")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"handler {qualname!r} is not importable by name: define handlers at module level"
+        )
+    return f"{module}.{qualname}"
+
+
+class HandlerRegistry:
+    """Dotted name → :class:`HandlerSpec`. Thread-safe; importing resolves lazily."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, HandlerSpec] = {}
+        self._lock = threading.Lock()
+
+    def register(self, spec: HandlerSpec) -> HandlerSpec:
+        """Add ``spec``; registering the same function again replaces its policy."""
+        with self._lock:
+            self._specs[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> HandlerSpec | None:
+        """Return the spec registered under ``name``, or ``None`` (no import attempted)."""
+        return self._specs.get(name)
+
+    def resolve(self, name: str) -> HandlerSpec:
+        """Return the spec for ``name``, importing its module if needed.
+
+        Raises :class:`UnknownHandler` naming the handler when it cannot be found.
+        """
+        spec = self._specs.get(name)
+        if spec is not None:
+            return spec
+        module_name = name
+        while "." in module_name:
+            module_name = module_name.rsplit(".", 1)[0]
+            try:
+                importlib.import_module(module_name)
+            except ImportError:
+                continue
+            break
+        spec = self._specs.get(name)
+        if spec is None:
+            raise UnknownHandler(
+                f"unknown handler {name!r}: no function decorated with @durable.handler is "
+                "registered under that name (was it renamed, or its module not importable?)",
+                handler=name,
+            )
+        return spec
+
+    def names(self) -> list[str]:
+        """Return every registered name, sorted."""
+        return sorted(self._specs)
+
+
+#: The process-wide registry the ``@durable.handler`` decorator writes to. Like Django's
+#: ``admin.site``, it is filled by decorators at import time; the worker reads it.
+handlers = HandlerRegistry()
