@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
+
+from durable.core.clock import Clock, SystemClock
 
 
 class DurableConfig(AppConfig):
-    """Registers durable's models, system checks and admin."""
+    """Registers durable's models and checks, and holds the process's clock.
+
+    The clock lives here, built once in :meth:`ready`, rather than in a module global:
+    code that needs the time calls :func:`current_clock`, and tests swap it with
+    :func:`durable.testing.override_clock`.
+    """
 
     name = "durable"
     verbose_name = "Durable execution"
     default_auto_field = "django.db.models.BigAutoField"
+    clock: Clock
 
     def ready(self) -> None:
         from durable import checks  # noqa: F401  (registers the system checks)
+
+        self.clock = SystemClock()
+
+
+def current_clock() -> Clock:
+    """Return the clock scheduling code reads the time from."""
+    config = apps.get_app_config("durable")
+    assert isinstance(config, DurableConfig)
+    return config.clock

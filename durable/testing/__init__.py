@@ -1,10 +1,13 @@
-"""Helpers for testing code that uses durable: a manual clock you move by hand."""
+"""Helpers for testing code that uses durable: a manual clock and a way to install it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
+from typing import Any
 
-__all__ = ["ManualClock"]
+__all__ = ["ManualClock", "override_clock"]
 
 
 class ManualClock:
@@ -50,3 +53,17 @@ def _to_ms(delta: timedelta | int) -> int:
     if isinstance(delta, timedelta):
         return int(delta.total_seconds() * 1000)
     return int(delta)
+
+
+@contextmanager
+def override_clock(clock: Any) -> Iterator[Any]:
+    """Make ``clock`` the clock durable's scheduling API reads, for the ``with`` block."""
+    from django.apps import apps
+
+    config: Any = apps.get_app_config("durable")
+    previous = config.clock
+    config.clock = clock
+    try:
+        yield clock
+    finally:
+        config.clock = previous
