@@ -1,0 +1,51 @@
+"""What a running handler can learn about the fire that called it.
+
+``durable.current_fire()`` returns a :class:`FireContext` inside a handler and ``None``
+elsewhere. External (``atomic=False``) handlers are at-least-once: use
+``current_fire().idempotency_key`` to make their outside effects idempotent — it is the
+same on every attempt and every re-run after a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FireContext:
+    """The timer being fired: id, key, attempt number and times, in epoch ms."""
+
+    timer_id: int
+    key: str | None
+    attempt: int
+    """1 for the first attempt, 2 for the first retry, and so on."""
+    scheduled_ms: int
+    """When the timer was due."""
+    fired_ms: int
+    """When this attempt started, by the worker's (database-corrected) clock."""
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key stable across retries and re-runs of this timer: ``"durable:timer:<id>"``."""
+        return f"durable:timer:{self.timer_id}"
+
+
+_current: ContextVar[FireContext | None] = ContextVar("durable_fire", default=None)
+
+
+def current_fire() -> FireContext | None:
+    """Return the :class:`FireContext` of the handler running now, or ``None``."""
+    return _current.get()
+
+
+@contextmanager
+def firing(ctx: FireContext) -> Iterator[FireContext]:
+    """Make ``ctx`` current for the duration of a handler call."""
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)

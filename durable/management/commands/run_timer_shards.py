@@ -1,0 +1,66 @@
+"""``python manage.py run_timer_shards``: the durable worker; run one per node."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from durable.conf import get_settings
+from durable.worker.engine import Engine
+
+
+def parse_shards(spec: str, total: int) -> list[int]:
+    """Parse ``"0-15,32,40-47"`` into shard numbers, each in ``[0, total)``."""
+    shards: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise CommandError(f"--shards: {part!r} is not a number or a range") from None
+        if not 0 <= first <= last < total:
+            raise CommandError(f"--shards: {part!r} is outside 0-{total - 1}")
+        shards.update(range(first, last + 1))
+    return sorted(shards)
+
+
+class Command(BaseCommand):
+    help = "Own shard leases and fire durable timers (one per node; SIGTERM stops cleanly)."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--node",
+            default=os.environ.get("DURABLE_NODE"),
+            help="unique worker name (default: DURABLE_NODE or host-pid)",
+        )
+        parser.add_argument(
+            "--shards", default=None, help="only these shards, e.g. 0-15,32 (default: all)"
+        )
+        parser.add_argument(
+            "--threads",
+            type=int,
+            default=4,
+            help="executor threads for external (atomic=False) handlers",
+        )
+        parser.add_argument(
+            "--duration", type=float, default=None, help="stop cleanly after this many seconds"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        conf = get_settings()
+        scope = None
+        if options["shards"]:
+            scope = parse_shards(options["shards"], conf.SHARDS)
+        if options["threads"] < 1:
+            raise CommandError("--threads must be >= 1")
+        engine = Engine(node=options["node"], scope=scope, threads=options["threads"])
+
+        def on_signal(signum: int, frame: Any) -> None:
+            engine.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        engine.run(duration_s=options["duration"])

@@ -1,0 +1,307 @@
+"""The ``run_timer_shards`` engine: one loop that owns shards and fires their timers.
+
+Each turn of the loop: maintenance when due (heartbeat, lease renewal and rebalancing,
+loading buckets that entered the horizon, rescans, clock-offset measurement, pruning),
+then every owned shard's wheel is advanced to now and its due ids fired in fenced
+batches, then the loop sleeps until the nearest wheel deadline or maintenance time, or
+until a NOTIFY arrives. :meth:`Engine.tick` is one turn without the sleep, which is what
+tests drive with a manual clock.
+
+A database error anywhere ends the turn: the engine drops its connections, waits with
+backoff, and on the next turn renews (dropping any shard it lost) and rescans everything
+due, so nothing is lost; fencing and row states make sure nothing fires twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
+
+from durable.conf import DurableSettings, get_settings
+from durable.core.clock import Clock, SystemClock
+from durable.dispatch.registry import HandlerRegistry, handlers
+from durable.exceptions import LeaseLost
+from durable.storage import firing as firing_store
+from durable.storage import leases as lease_store
+from durable.worker.firer import Firer, Readd
+from durable.worker.leasing import LeaseKeeper
+from durable.worker.listener import Listener
+from durable.worker.logs import event
+from durable.worker.runner import ShardRunner
+
+log = logging.getLogger("durable.worker")
+
+MAX_SLEEP_S = 1.0
+PRUNE_EVERY_MS = 60_000
+OFFSET_EVERY_MS = 60_000
+
+
+@dataclass(slots=True)
+class Stats:
+    """Running totals, read by metrics and by tests."""
+
+    fired: int = 0
+    errors: int = 0
+    lateness_ms: list[int] = field(default_factory=list)
+    keep_lateness: bool = False
+
+
+class Engine:
+    """Owns shard leases and fires their timers; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        node: str | None = None,
+        clock: Clock | None = None,
+        conf: DurableSettings | None = None,
+        scope: list[int] | None = None,
+        threads: int = 4,
+        registry: HandlerRegistry = handlers,
+    ) -> None:
+        self.conf = conf or get_settings()
+        self.db = self.conf.DATABASE
+        self.node = node or f"{socket.gethostname()}-{os.getpid()}"
+        self.clock = clock or SystemClock()
+        self.stop_event = threading.Event()
+        self.inbox: queue.SimpleQueue[Readd] = queue.SimpleQueue()
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="durable")
+        self.firer = Firer(
+            db=self.db,
+            conf=self.conf,
+            clock=self.clock,
+            registry=registry,
+            executor=self.executor,
+            inbox=self.inbox,
+        )
+        self.keeper = LeaseKeeper(
+            db=self.db,
+            node=self.node,
+            scope=scope if scope is not None else range(self.conf.SHARDS),
+            ttl_s=self.conf.LEASE_TTL_S,
+        )
+        self.listener = Listener(self.db, self.stop_event)
+        self.runners: dict[int, ShardRunner] = {}
+        self.stats = Stats()
+        self._next_lease_ms = 0
+        self._next_prune_ms = 0
+        self._next_offset_ms = 0
+        self._started = False
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register this node and create missing lease rows."""
+        self._measure_offset()
+        now = self.clock.now_ms()
+        lease_store.ensure_shards(self.db, self.conf.SHARDS)
+        lease_store.register_node(self.db, self.node, socket.gethostname(), os.getpid(), now)
+        event(
+            log,
+            logging.INFO,
+            "worker.started",
+            node=self.node,
+            shards=self.conf.SHARDS,
+            db=connections[self.db].vendor,
+        )
+        self._started = True
+
+    def run(self, duration_s: float | None = None) -> None:
+        """Loop until :meth:`stop` (or ``duration_s``), then shut down cleanly."""
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        backoff = 0.2
+        while not self.stop_event.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            try:
+                if not self._started:
+                    self.start()
+                self.tick()
+                self._sleep()
+                backoff = 0.2
+            except (OperationalError, InterfaceError) as exc:
+                self._on_database_error(exc, backoff)
+                backoff = min(backoff * 2, 5.0)
+        self.shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to finish its turn and shut down (safe from signal handlers)."""
+        self.stop_event.set()
+
+    def shutdown(self, wait_s: float = 30.0) -> None:
+        """Finish in-flight external handlers (bounded), release leases, mark stopped."""
+        deadline = time.monotonic() + wait_s
+        while self.firer.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self._drain_inbox()
+        try:
+            for shard in sorted(self.runners):
+                runner = self.runners.pop(shard)
+                self.keeper.release(shard, runner.token, runner.cursor_ms)
+            lease_store.mark_stopped(self.db, self.node, self.clock.now_ms())
+        except DatabaseError as exc:
+            event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
+        self.listener.close()
+        event(log, logging.INFO, "worker.stopped", node=self.node)
+
+    # -- one turn ------------------------------------------------------------------------
+
+    def tick(self) -> int:
+        """Run maintenance that is due, then fire everything due now; return fires."""
+        now = self.clock.now_ms()
+        self._drain_inbox()
+        if now >= self._next_lease_ms:
+            self._maintain_leases(now)
+        if now >= self._next_offset_ms:
+            self._measure_offset()
+        for runner in list(self.runners.values()):
+            runner.load_ahead(now)
+            if now >= runner.next_rescan_ms:
+                runner.rescan(now)
+        fired = self._fire_due()
+        if now >= self._next_prune_ms:
+            self._prune(now)
+        return fired
+
+    def _fire_due(self) -> int:
+        fired = 0
+        for shard, runner in list(self.runners.items()):
+            now = self.clock.now_ms()
+            ids = runner.due(now)
+            if not ids:
+                runner.cursor_ms = now
+                continue
+            try:
+                outcomes = self.firer.fire(runner, ids)
+            except LeaseLost as exc:
+                event(
+                    log,
+                    logging.WARNING,
+                    "lease.lost",
+                    shard=shard,
+                    token=runner.token,
+                    node=self.node,
+                    reason=str(exc),
+                )
+                self.runners.pop(shard, None)
+                continue
+            for outcome in outcomes:
+                fired += len(outcome.fired)
+                self.stats.errors += len(outcome.errors)
+                if self.stats.keep_lateness:
+                    self.stats.lateness_ms.extend(outcome.lateness_ms)
+            if not any(o.leftover for o in outcomes):
+                runner.cursor_ms = now
+        self.stats.fired += fired
+        return fired
+
+    def _maintain_leases(self, now: int) -> None:
+        self._next_lease_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+        held = {s: r.token for s, r in self.runners.items()}
+        lease_store.heartbeat(self.db, self.node, held, now)
+        for shard in self.keeper.renew(
+            held, {s: r.cursor_ms for s, r in self.runners.items()}, now
+        ):
+            self.runners.pop(shard, None)
+        if not self.firer.in_flight:  # never hand over a shard with an external fire running
+            for shard in self.keeper.to_release(self.runners, now):
+                runner = self.runners.pop(shard)
+                self.keeper.release(shard, runner.token, runner.cursor_ms)
+        for got in self.keeper.acquire_up_to_share(self.runners, now):
+            runner = ShardRunner(
+                shard=got.shard, token=got.token, db=self.db, conf=self.conf, now_ms=now
+            )
+            runner.cursor_ms = got.cursor_ms
+            loaded = runner.rebuild(now)
+            self.runners[got.shard] = runner
+            event(
+                log,
+                logging.INFO,
+                "shard.loaded",
+                shard=got.shard,
+                token=got.token,
+                timers=loaded,
+                lag_ms=max(0, now - got.cursor_ms) if got.cursor_ms else 0,
+            )
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _sleep(self) -> None:
+        now = self.clock.now_ms()
+        wake = [self._next_lease_ms]
+        for runner in self.runners.values():
+            wake.append(runner.next_rescan_ms)
+            nxt = runner.next_wakeup_ms()
+            if nxt is not None:
+                wake.append(nxt)
+        timeout = min(MAX_SLEEP_S, max(0.0, (min(wake) - now) / 1000))
+        if not self.inbox.empty():
+            timeout = 0.0
+        for notice in self.listener.wait(timeout):
+            runner = self.runners.get(notice.shard)
+            if runner is None:
+                continue
+            if notice.timer_id is None:
+                runner.rescan(self.clock.now_ms())
+            elif notice.fire_at_ms is not None:
+                runner.add(notice.timer_id, notice.fire_at_ms)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                shard, timer_id, fire_at = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            runner = self.runners.get(shard)
+            if runner is not None:
+                runner.add(timer_id, fire_at)
+
+    def _measure_offset(self) -> None:
+        self._next_offset_ms = self.clock.now_ms() + OFFSET_EVERY_MS
+        if not isinstance(self.clock, SystemClock):
+            return
+        before = time.time_ns() // 1_000_000
+        db_now = lease_store.database_now_ms(self.db)
+        after = time.time_ns() // 1_000_000
+        if db_now is not None:
+            self.clock.offset_ms = db_now - (before + after) // 2
+
+    def _prune(self, now: int) -> None:
+        self._next_prune_ms = now + PRUNE_EVERY_MS
+        cutoff = firing_store.retention_cutoff_ms(now, self.conf.RETENTION_DAYS)
+        total = 0
+        for _ in range(10):  # small batches, bounded per turn
+            deleted = firing_store.prune_finished(self.db, cutoff)
+            total += deleted
+            if deleted < 1000:
+                break
+        if total:
+            event(log, logging.INFO, "timers.pruned", rows=total, node=self.node)
+
+    def _on_database_error(self, exc: Exception, backoff: float) -> None:
+        event(
+            log,
+            logging.WARNING,
+            "database.unavailable",
+            node=self.node,
+            retry_in_s=backoff,
+            error=str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+        )
+        with contextlib.suppress(Exception):  # an already-broken connection may refuse
+            connections[self.db].close()
+        self.listener.close()
+        self.stop_event.wait(backoff)
+        # Renew at once on the next turn (dropping lost shards) and rescan what is due.
+        self._next_lease_ms = 0
+        for runner in self.runners.values():
+            runner.next_rescan_ms = 0

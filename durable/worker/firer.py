@@ -1,0 +1,312 @@
+"""Fire due timers: one fenced transaction per batch.
+
+Atomic handlers run inside the batch transaction that marks them fired, so their effect
+on the app's database happens exactly once. The fast path runs a batch without savepoints
+(a savepoint per handler is two extra round trips and, past 64 per transaction, a
+PostgreSQL subtransaction overflow); if any handler raises, the whole batch rolls back and
+runs again with a savepoint per handler, so the failing handler rolls back only its own
+effects and records its retry. Atomic handlers must therefore keep their effects inside
+the database: a batch that met a failure calls its other handlers twice, committing once.
+
+External handlers (``atomic=False``) are claimed in the batch transaction, run on the
+executor after commit, and completed in a second fenced transaction; a crash in between
+leaves the claim to expire, and the timer runs again (at least once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import close_old_connections, transaction
+
+from durable.conf import DurableSettings
+from durable.core.backoff import Backoff
+from durable.core.clock import Clock
+from durable.core.errors import sanitize_error
+from durable.dispatch.context import FireContext, firing
+from durable.dispatch.registry import HandlerRegistry, HandlerSpec
+from durable.exceptions import LeaseLost
+from durable.storage import firing as store
+from durable.storage.leases import fence
+from durable.worker.logs import event
+from durable.worker.runner import ShardRunner
+
+log = logging.getLogger("durable.worker")
+
+#: (shard, timer id, fire_at_ms) to put back in a wheel, from any thread.
+Readd = tuple[int, int, int]
+
+
+class _Rollback(Exception):
+    """A handler raised on the fast path: roll the batch back and redo it carefully."""
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What one batch did; the engine turns it into metrics and wheel updates."""
+
+    fired: list[tuple[store.DueTimer, Any]] = field(default_factory=list)
+    errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
+    external: list[store.DueTimer] = field(default_factory=list)
+    leftover: list[store.DueTimer] = field(default_factory=list)
+    readd: list[Readd] = field(default_factory=list)
+    lateness_ms: list[int] = field(default_factory=list)
+
+
+class Firer:
+    """Runs batches of due timers for the engine's shard runners."""
+
+    def __init__(
+        self,
+        *,
+        db: str,
+        conf: DurableSettings,
+        clock: Clock,
+        registry: HandlerRegistry,
+        executor: Executor,
+        inbox: queue.SimpleQueue[Readd],
+        resolvers: dict[str, Callable[[str], HandlerSpec]] | None = None,
+    ) -> None:
+        self.db = db
+        self.conf = conf
+        self.clock = clock
+        self.executor = executor
+        self.inbox = inbox
+        self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
+        self._in_flight = 0  # external handlers submitted and not completed
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """External handlers submitted to the executor and not yet completed."""
+        with self._lock:
+            return self._in_flight
+
+    # -- batches -------------------------------------------------------------------------
+
+    def fire(self, runner: ShardRunner, ids: Sequence[int]) -> list[BatchOutcome]:
+        """Fire ``ids`` of ``runner``'s shard in batches; raises LeaseLost if fenced out."""
+        outcomes = []
+        size = self.conf.BATCH_SIZE
+        for start in range(0, len(ids), size):
+            chunk = ids[start : start + size]
+            try:
+                outcome = self._batch(runner, chunk, careful=False)
+            except _Rollback:
+                outcome = self._batch(runner, chunk, careful=True)
+            self._after_commit(runner, outcome)
+            outcomes.append(outcome)
+        return outcomes
+
+    def _batch(self, runner: ShardRunner, ids: Sequence[int], *, careful: bool) -> BatchOutcome:
+        outcome = BatchOutcome()
+        now_ms = self.clock.now_ms()
+        deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
+        with transaction.atomic(using=self.db):
+            fence(self.db, runner.shard, runner.token)
+            for timer in store.lock_due(self.db, runner.shard, ids, now_ms):
+                if time.monotonic() > deadline:
+                    outcome.leftover.append(timer)  # budget spent: next batch takes it
+                    continue
+                outcome.lateness_ms.append(now_ms - timer.fire_at_ms)
+                self._run_one(timer, now_ms, careful, outcome)
+            self._record(runner, outcome, now_ms)
+        return outcome
+
+    def _run_one(
+        self, timer: store.DueTimer, now_ms: int, careful: bool, out: BatchOutcome
+    ) -> None:
+        try:
+            spec = self._resolve(timer)
+        except Exception as exc:  # unknown handler, unknown kind: retried, then dead letter
+            out.errors.append((timer, exc))
+            return
+        if not spec.atomic:
+            out.external.append(timer)
+            return
+        ctx = _context(timer, timer.attempts + 1, now_ms)
+        if not careful:
+            try:
+                with firing(ctx):
+                    out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
+            except Exception as exc:
+                raise _Rollback from exc
+            return
+        try:
+            with transaction.atomic(using=self.db), firing(ctx):
+                out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
+        except Exception as exc:
+            out.errors.append((timer, exc))
+
+    def _record(self, runner: ShardRunner, out: BatchOutcome, now_ms: int) -> None:
+        results = {t.id: _json_value(v) for t, v in out.fired if t.on_complete}
+        store.mark_fired(self.db, [t.id for t, _ in out.fired], runner.token, now_ms, results)
+        for timer, _ in out.fired:
+            if timer.on_complete:
+                self._followup(
+                    timer, {"status": "success", "value": results[timer.id]}, now_ms, out
+                )
+        for timer, exc in out.errors:
+            self._retry_or_fail(timer, timer.attempts + 1, runner.token, exc, now_ms, out.readd)
+        if out.external:
+            claim_until = now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
+            store.claim(self.db, [t.id for t in out.external], claim_until)
+
+    def _after_commit(self, runner: ShardRunner, out: BatchOutcome) -> None:
+        for shard, timer_id, fire_at in out.readd:
+            if shard == runner.shard:
+                runner.add(timer_id, fire_at)
+        for timer in out.leftover:
+            runner.add(timer.id, timer.fire_at_ms)
+        for timer in out.external:
+            with self._lock:
+                self._in_flight += 1
+            self.executor.submit(self._run_external, runner.shard, runner.token, timer)
+        for timer, exc in out.errors:
+            event(
+                log,
+                logging.WARNING,
+                "timer.error",
+                timer=timer.id,
+                target=timer.target,
+                attempt=timer.attempts + 1,
+                error=sanitize_error(exc),
+            )
+
+    # -- retries and follow-ups ---------------------------------------------------------
+
+    def _retry_or_fail(
+        self,
+        timer: store.DueTimer,
+        attempts: int,
+        token: int,
+        exc: BaseException,
+        now_ms: int,
+        readd: list[Readd],
+    ) -> None:
+        error = sanitize_error(exc)
+        if attempts < timer.max_attempts:
+            backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
+            fire_at = now_ms + backoff.delay_ms(attempts)
+            store.mark_retry(self.db, timer, attempts, fire_at, self.conf.BUCKET_SHIFT, error)
+            readd.append((timer.shard, timer.id, fire_at))
+            return
+        store.mark_failed(self.db, timer, attempts, token, now_ms, error)
+        event(
+            log,
+            logging.ERROR,
+            "timer.dead_letter",
+            timer=timer.id,
+            target=timer.target,
+            attempts=attempts,
+            error=error,
+        )
+        if timer.on_complete:
+            self._followup(timer, {"status": "failed", "error": error}, now_ms, readd)
+
+    def _followup(
+        self,
+        timer: store.DueTimer,
+        result: dict[str, Any],
+        now_ms: int,
+        out: BatchOutcome | list[Readd],
+    ) -> None:
+        from durable.storage.timers import create_followup
+
+        follow = create_followup(timer, result, now_ms, using=self.db)
+        if follow is None:
+            return
+        readd = out.readd if isinstance(out, BatchOutcome) else out
+        readd.append((follow.shard, follow.pk, follow.fire_at_ms))
+
+    def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
+        try:
+            resolver = self.resolvers[timer.kind]
+        except KeyError:
+            raise LookupError(f"no dispatcher for timer kind {timer.kind!r}") from None
+        return resolver(timer.target)
+
+    # -- external handlers (executor threads) -------------------------------------------
+
+    def _run_external(self, shard: int, token: int, timer: store.DueTimer) -> None:
+        attempt = timer.attempts + 1
+        readd: list[Readd] = []
+        try:
+            spec = self._resolve(timer)
+            now_ms = self.clock.now_ms()
+            try:
+                with firing(_context(timer, attempt, now_ms)):
+                    value: Any = spec.fn(*timer.args, **timer.kwargs)
+                error: BaseException | None = None
+            except Exception as exc:
+                value, error = None, exc
+            self._complete_external(shard, token, timer, attempt, value, error, readd)
+        except LeaseLost as exc:
+            event(
+                log,
+                logging.WARNING,
+                "timer.complete_fenced",
+                timer=timer.id,
+                shard=shard,
+                reason=str(exc),
+            )
+        except Exception:
+            log.exception("external handler completion failed for timer %s", timer.id)
+        finally:
+            for item in readd:
+                self.inbox.put(item)
+            with self._lock:
+                self._in_flight -= 1
+            close_old_connections()
+
+    def _complete_external(
+        self,
+        shard: int,
+        token: int,
+        timer: store.DueTimer,
+        attempt: int,
+        value: Any,
+        error: BaseException | None,
+        readd: list[Readd],
+    ) -> None:
+        now_ms = self.clock.now_ms()
+        with transaction.atomic(using=self.db):
+            fence(self.db, shard, token)
+            if not store.still_claimed(self.db, timer.id, attempt):
+                return  # cancelled, or reclaimed after our claim expired
+            if error is not None:
+                self._retry_or_fail(timer, attempt, token, error, now_ms, readd)
+                return
+            result = _json_value(value) if timer.on_complete else None
+            store.mark_fired(
+                self.db, [timer.id], token, now_ms, {timer.id: result} if result else None
+            )
+            if timer.on_complete:
+                self._followup(timer, {"status": "success", "value": result}, now_ms, readd)
+
+
+def _context(timer: store.DueTimer, attempt: int, now_ms: int) -> FireContext:
+    return FireContext(
+        timer_id=timer.id,
+        key=timer.key,
+        attempt=attempt,
+        scheduled_ms=timer.fire_at_ms,
+        fired_ms=now_ms,
+    )
+
+
+def _json_value(value: Any) -> Any:
+    """The handler's return value if it is JSON, else None (results must stay storable)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return value

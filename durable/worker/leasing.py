@@ -1,0 +1,99 @@
+"""Shard ownership from one worker's point of view: fair share, renew, rebalance.
+
+Each worker aims at ``ceil(shards in scope / live workers)`` leases. Above its share it
+releases shards (highest numbers first) so a newcomer can take them at once; below it, it
+takes free or expired leases. Taking is one conditional UPDATE per shard, so two workers
+racing for the same shard cannot both win, and each win bumps the fencing token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from durable.storage import leases as store
+from durable.worker.logs import event
+
+log = logging.getLogger("durable.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """A lease this worker just took, with whom it took it from (for takeover logs)."""
+
+    shard: int
+    token: int
+    previous_owner: str
+    cursor_ms: int
+
+
+class LeaseKeeper:
+    """Decides which shards to take and give up; the engine applies the decisions."""
+
+    def __init__(self, *, db: str, node: str, scope: Iterable[int], ttl_s: float) -> None:
+        self.db = db
+        self.node = node
+        self.scope = sorted(scope)
+        self.ttl_s = ttl_s
+
+    def fair_share(self, now_ms: int) -> int:
+        """How many shards this worker should hold now."""
+        live = max(1, store.live_node_count(self.db, now_ms, self.ttl_s))
+        return math.ceil(len(self.scope) / live)
+
+    def renew(self, held: dict[int, int], cursors: dict[int, int], now_ms: int) -> set[int]:
+        """Renew ``held``; return the shards lost since the last renewal."""
+        if not held:
+            return set()
+        kept = store.renew(self.db, self.node, held, cursors, now_ms, self.ttl_s)
+        lost = set(held) - kept
+        for shard in sorted(lost):
+            event(
+                log, logging.WARNING, "lease.lost", shard=shard, token=held[shard], node=self.node
+            )
+        return lost
+
+    def to_release(self, held: Iterable[int], now_ms: int) -> list[int]:
+        """Shards above the fair share, highest numbers first."""
+        held = sorted(held)
+        extra = len(held) - self.fair_share(now_ms)
+        return held[::-1][:extra] if extra > 0 else []
+
+    def acquire_up_to_share(self, held: Iterable[int], now_ms: int) -> list[Acquired]:
+        """Take free or expired leases until this worker holds its fair share."""
+        held = set(held)
+        want = self.fair_share(now_ms) - len(held)
+        if want <= 0:
+            return []
+        now = store.ms_to_dt(now_ms)
+        rows = [r for r in store.snapshot(self.db) if r.shard in self.scope]
+        # Cleanly released leases first: taking an expired one means a takeover.
+        free = [r for r in rows if r.shard not in held and r.is_free(now)]
+        free.sort(key=lambda r: (bool(r.owner), r.shard))
+        taken: list[Acquired] = []
+        for row in free:
+            if len(taken) >= want:
+                break
+            token = store.acquire(self.db, row.shard, self.node, now_ms, self.ttl_s)
+            if token is None:
+                continue  # another worker won the race
+            taken.append(Acquired(row.shard, token, row.owner, row.cursor_ms))
+            name = "lease.takeover" if row.owner and row.owner != self.node else "lease.acquired"
+            event(
+                log,
+                logging.INFO,
+                name,
+                shard=row.shard,
+                token=token,
+                node=self.node,
+                previous=row.owner or "-",
+                cursor_ms=row.cursor_ms,
+            )
+        return taken
+
+    def release(self, shard: int, token: int, cursor_ms: int) -> None:
+        """Give ``shard`` up cleanly."""
+        if store.release(self.db, shard, self.node, token, cursor_ms):
+            event(log, logging.INFO, "lease.released", shard=shard, token=token, node=self.node)

@@ -1,0 +1,97 @@
+"""One owned shard in memory: its near-term timers in a timing wheel.
+
+The runner holds only buckets up to ``now_bucket + HORIZON_BUCKETS``; later rows stay in
+the database, which acts as the wheel's coarsest level, and are loaded bucket by bucket as
+time approaches. Memory therefore follows near-term volume, not total pending timers.
+
+Three feeds put ids into the wheel, and the wheel dedupes them (an id already pending is
+skipped): the bucket loader, NOTIFY from scheduling transactions, and a periodic rescan
+of everything due soon. The rescan is what makes a lost notification a delay, not a loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from durable.conf import DurableSettings
+from durable.core.sharding import bucket_of
+from durable.core.wheel import TimingWheel
+from durable.storage import firing
+
+log = logging.getLogger("durable.worker")
+
+
+class ShardRunner:
+    """The in-memory state of one shard this worker holds the lease of."""
+
+    def __init__(self, *, shard: int, token: int, db: str, conf: DurableSettings, now_ms: int):
+        self.shard = shard
+        self.token = token
+        self.db = db
+        self.conf = conf
+        self.wheel: TimingWheel[int] = TimingWheel(start_ms=now_ms)
+        self.loaded_upto_bucket = -1  # every pending row in buckets <= this is in the wheel
+        self.cursor_ms = 0
+        self.next_rescan_ms = 0
+
+    def __repr__(self) -> str:
+        return f"ShardRunner(shard={self.shard}, token={self.token}, pending={len(self.wheel)})"
+
+    def add(self, timer_id: int, fire_at_ms: int) -> bool:
+        """Put a timer in the wheel unless it is there already or beyond the loaded range."""
+        if timer_id in self.wheel:
+            return False
+        if bucket_of(fire_at_ms, self.conf.BUCKET_SHIFT) > self.loaded_upto_bucket:
+            return False  # the loader will read it when its bucket enters the horizon
+        self.wheel.insert(timer_id, fire_at_ms)
+        return True
+
+    def add_many(self, rows: Iterable[tuple[int, int]]) -> int:
+        """Add ``(id, fire_at_ms)`` rows; return how many were new."""
+        return sum(self.add(timer_id, fire_at) for timer_id, fire_at in rows)
+
+    def rebuild(self, now_ms: int) -> int:
+        """Fill the wheel from the database after taking the lease: backlog and horizon."""
+        self.loaded_upto_bucket = self._horizon_bucket(now_ms)
+        overdue_and_soon = firing.rescan_due_soon(
+            self.db, self.shard, now_ms, self.conf.BUCKET_SHIFT
+        )
+        ahead = firing.load_window(
+            self.db,
+            self.shard,
+            bucket_of(now_ms, self.conf.BUCKET_SHIFT) - 1,
+            self.loaded_upto_bucket,
+        )
+        loaded = self.add_many(overdue_and_soon) + self.add_many(ahead)
+        self.next_rescan_ms = now_ms + int(self.conf.RESCAN_INTERVAL_S * 1000)
+        return loaded
+
+    def load_ahead(self, now_ms: int) -> int:
+        """Read the buckets that entered the horizon since the last call."""
+        horizon = self._horizon_bucket(now_ms)
+        if horizon <= self.loaded_upto_bucket:
+            return 0
+        rows = firing.load_window(self.db, self.shard, self.loaded_upto_bucket, horizon)
+        self.loaded_upto_bucket = horizon
+        return self.add_many(rows)
+
+    def rescan(self, now_ms: int) -> int:
+        """Re-read what is due within two rescan intervals; return how many ids were new."""
+        interval_ms = int(self.conf.RESCAN_INTERVAL_S * 1000)
+        self.next_rescan_ms = now_ms + interval_ms
+        rows = firing.rescan_due_soon(
+            self.db, self.shard, now_ms + 2 * interval_ms, self.conf.BUCKET_SHIFT
+        )
+        return self.add_many(rows)
+
+    def due(self, now_ms: int) -> list[int]:
+        """Advance the wheel to ``now_ms`` and return the due ids, oldest first."""
+        return self.wheel.advance(now_ms)
+
+    def next_wakeup_ms(self) -> int | None:
+        """When the wheel next has work (a fire or a cascade), or None when empty."""
+        return self.wheel.next_expiry()
+
+    def _horizon_bucket(self, now_ms: int) -> int:
+        return bucket_of(now_ms, self.conf.BUCKET_SHIFT) + self.conf.HORIZON_BUCKETS
