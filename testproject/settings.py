@@ -69,7 +69,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 20,
     }
-    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / "test_db.sqlite3")}
+    # A file, not :memory:, so worker subprocesses in acceptance tests share it; named
+    # after the main file so that runs with different DATABASE_URLs never collide.
+    _main = Path(DATABASES["default"]["NAME"])
+    DATABASES["default"]["TEST"] = {"NAME": str(_main.with_name(f"test_{_main.name}"))}
 
 DURABLE = {
     "SHARDS": env.int("DURABLE_SHARDS", default=64),
