@@ -15,6 +15,12 @@ __version__ = "0.1.0"
 # public name -> "module:attribute"
 _EXPORTS: dict[str, str] = {
     "DurableError": "durable.exceptions:DurableError",
+    "handler": "durable.scheduling.handlers:handler",
+    "schedule": "durable.scheduling.api:schedule",
+    "schedule_many": "durable.scheduling.api:schedule_many",
+    "cancel": "durable.scheduling.api:cancel",
+    "Backoff": "durable.core.backoff:Backoff",
+    "current_fire": "durable.dispatch.context:current_fire",
 }
 
 __all__ = ["__version__", *_EXPORTS]

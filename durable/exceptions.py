@@ -27,7 +27,10 @@ class UnknownHandler(TimerError):
     """No handler is registered under that name."""
 
 
-class PayloadError(TimerError):
+# Also a ValueError, so code that already catches bad values handles it. Attributes:
+# ``path`` names the offending part (``args[1]['when']``); ``size`` and ``limit`` are set
+# when the payload is too large.
+class PayloadError(TimerError, ValueError):
     """A payload is not JSON-serializable or is too large."""
 
 

@@ -26,6 +26,11 @@ class FireContext:
     """When the timer was due."""
     fired_ms: int
     """When this attempt started, by the worker's (database-corrected) clock."""
+    shard: int | None = None
+    """The shard the timer belongs to."""
+    token: int | None = None
+    """The lease token the worker held when it took the timer: code that commits its own
+    transactions (workflow replay) passes it to ``durable.storage.leases.fence``."""
 
     @property
     def idempotency_key(self) -> str:

@@ -113,6 +113,8 @@ def mark_fired(
         "state": TimerState.FIRED,
         "fired_token": token,
         "fired_at": ms_to_dt(now_ms),
+        # update() skips auto_now: stamp it, retention and "recent fires" go by it.
+        "updated_at": ms_to_dt(now_ms),
         "claim_expires_ms": None,
         "last_error": "",
     }
@@ -146,6 +148,7 @@ def mark_failed(
         attempts=attempts,
         fired_token=token,
         fired_at=ms_to_dt(now_ms),
+        updated_at=ms_to_dt(now_ms),
         claim_expires_ms=None,
         last_error=error,
     )

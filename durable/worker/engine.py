@@ -24,14 +24,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
 
 from durable.conf import DurableSettings, get_settings
 from durable.core.clock import Clock, SystemClock
+from durable.dispatch import kinds
 from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.exceptions import LeaseLost
+from durable.metrics import WorkerMetrics
 from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
+from durable.storage import status as status_store
 from durable.worker.firer import Firer, Readd
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
@@ -43,6 +52,8 @@ log = logging.getLogger("durable.worker")
 MAX_SLEEP_S = 1.0
 PRUNE_EVERY_MS = 60_000
 OFFSET_EVERY_MS = 60_000
+SAMPLE_EVERY_MS = 15_000
+SAMPLE_DB_EVERY_MS = 60_000
 
 
 @dataclass(slots=True)
@@ -67,6 +78,7 @@ class Engine:
         scope: list[int] | None = None,
         threads: int = 4,
         registry: HandlerRegistry = handlers,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.conf = conf or get_settings()
         self.db = self.conf.DATABASE
@@ -82,6 +94,7 @@ class Engine:
             registry=registry,
             executor=self.executor,
             inbox=self.inbox,
+            resolvers={**kinds.resolvers(), "handler": registry.resolve},
         )
         self.keeper = LeaseKeeper(
             db=self.db,
@@ -92,6 +105,9 @@ class Engine:
         self.listener = Listener(self.db, self.stop_event)
         self.runners: dict[int, ShardRunner] = {}
         self.stats = Stats()
+        self.metrics = metrics or WorkerMetrics()
+        self._next_sample_ms = 0
+        self._next_db_sample_ms = 0
         self._next_lease_ms = 0
         self._next_prune_ms = 0
         self._next_offset_ms = 0
@@ -171,6 +187,8 @@ class Engine:
         fired = self._fire_due()
         if now >= self._next_prune_ms:
             self._prune(now)
+        if now >= self._next_sample_ms:
+            self._sample(now)
         return fired
 
     def _fire_due(self) -> int:
@@ -198,6 +216,9 @@ class Engine:
             for outcome in outcomes:
                 fired += len(outcome.fired)
                 self.stats.errors += len(outcome.errors)
+                self.metrics.on_batch(
+                    shard, len(outcome.fired), outcome.lateness_ms, len(outcome.errors)
+                )
                 if self.stats.keep_lateness:
                     self.stats.lateness_ms.extend(outcome.lateness_ms)
             if not any(o.leftover for o in outcomes):
@@ -209,21 +230,27 @@ class Engine:
         self._next_lease_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
         held = {s: r.token for s, r in self.runners.items()}
         lease_store.heartbeat(self.db, self.node, held, now)
-        for shard in self.keeper.renew(
-            held, {s: r.cursor_ms for s, r in self.runners.items()}, now
-        ):
+        cursors = {s: r.cursor_ms for s, r in self.runners.items()}
+        for shard in self.keeper.renew(held, cursors, now):
             self.runners.pop(shard, None)
+            self.metrics.on_lease("lost", len(self.runners))
         if not self.firer.in_flight:  # never hand over a shard with an external fire running
             for shard in self.keeper.to_release(self.runners, now):
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
+                self.metrics.on_lease("released", len(self.runners))
         for got in self.keeper.acquire_up_to_share(self.runners, now):
+            started = time.monotonic()
             runner = ShardRunner(
                 shard=got.shard, token=got.token, db=self.db, conf=self.conf, now_ms=now
             )
             runner.cursor_ms = got.cursor_ms
             loaded = runner.rebuild(now)
             self.runners[got.shard] = runner
+            took = time.monotonic() - started
+            self.metrics.on_rebuild(took)
+            taken_over = bool(got.previous_owner) and got.previous_owner != self.node
+            self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
             event(
                 log,
                 logging.INFO,
@@ -231,8 +258,31 @@ class Engine:
                 shard=got.shard,
                 token=got.token,
                 timers=loaded,
+                rebuild_ms=int(took * 1000),
                 lag_ms=max(0, now - got.cursor_ms) if got.cursor_ms else 0,
             )
+
+    def _sample(self, now: int) -> None:
+        """Refresh the gauges: wheel depth per shard and level, pending rows per shard."""
+        self._next_sample_ms = now + SAMPLE_EVERY_MS
+        depths = {}
+        for shard, runner in self.runners.items():
+            wheel = runner.wheel
+            depths[shard] = (*wheel.pending_per_level(), wheel.pending_overflow())
+        self.metrics.set_wheel_depths(depths)
+        if now >= self._next_db_sample_ms:
+            # Counting millions of pending rows takes a while: never on the fire loop.
+            self._next_db_sample_ms = now + SAMPLE_DB_EVERY_MS
+            self.executor.submit(self._sample_database, sorted(self.runners))
+
+    def _sample_database(self, shards: list[int]) -> None:
+        try:
+            counts = status_store.pending_by_shard(self.db)
+            self.metrics.set_db_pending({s: counts.get(s, 0) for s in shards})
+        except DatabaseError as exc:
+            event(log, logging.WARNING, "metrics.sample_failed", error=exc)
+        finally:
+            close_old_connections()
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -5,6 +5,12 @@ import durable
 EXPECTED = {
     "__version__",
     "DurableError",
+    "handler",
+    "schedule",
+    "schedule_many",
+    "cancel",
+    "Backoff",
+    "current_fire",
 }
 
 

@@ -46,6 +46,14 @@ class Command(BaseCommand):
             help="executor threads for external (atomic=False) handlers",
         )
         parser.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
+        )
+        parser.add_argument(
+            "--metrics-host",
+            default="127.0.0.1",
+            help="address for --metrics-port (loopback by default; 0.0.0.0 exposes it)",
+        )
+        parser.add_argument(
             "--duration", type=float, default=None, help="stop cleanly after this many seconds"
         )
 
@@ -57,6 +65,11 @@ class Command(BaseCommand):
         if options["threads"] < 1:
             raise CommandError("--threads must be >= 1")
         engine = Engine(node=options["node"], scope=scope, threads=options["threads"])
+        if options["metrics_port"] is not None:
+            engine.metrics.serve(options["metrics_port"], host=options["metrics_host"])
+            self.stdout.write(
+                f"metrics on http://{options['metrics_host']}:{options['metrics_port']}/metrics"
+            )
 
         def on_signal(signum: int, frame: Any) -> None:
             engine.stop()

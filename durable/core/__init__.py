@@ -1,0 +1,1 @@
+"""Pure core: no Django imports."""

@@ -1,0 +1,269 @@
+"""``schedule``, ``schedule_many`` and ``cancel``: the public timer API.
+
+Each call validates everything first, then writes with the ORM on
+``DURABLE["DATABASE"]`` inside the caller's transaction: it never commits on its own, and
+a rollback leaves nothing behind. Near-term timers are announced to their worker with
+PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from random import getrandbits
+from types import FunctionType
+from typing import Any
+
+from django.db import transaction
+
+from durable.apps import current_clock
+from durable.conf import DurableSettings, get_settings
+from durable.core.backoff import Backoff
+from durable.core.sharding import bucket_of, shard_for
+from durable.dispatch.registry import HandlerSpec, handler_name, handlers
+from durable.exceptions import TimerError, UnknownHandler
+from durable.models import Timer, TimerKind, TimerState
+from durable.scheduling import validation as v
+from durable.storage import timers as store
+from durable.storage.bulk import paused_gc
+
+SPEC_KEYS = frozenset(
+    {"fn", "args", "kwargs", "at", "delay", "key", "max_attempts", "backoff"}
+    | {"on_complete", "context", "parent"}
+)
+
+
+def schedule(
+    fn_or_dotted_name: Callable[..., Any] | str,
+    *,
+    args: list[Any] | tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    at: datetime | None = None,
+    delay: timedelta | None = None,
+    key: str | None = None,
+    max_attempts: int | None = None,
+    backoff: Backoff | timedelta | None = None,
+    on_complete: Callable[..., Any] | str | None = None,
+    context: Any = None,
+    parent: Timer | int | None = None,
+) -> Timer:
+    """Schedule a ``@durable.handler`` to run at ``at``, after ``delay``, or now.
+
+    Written in the caller's transaction on ``DURABLE["DATABASE"]``. With ``key``, an
+    existing timer with that key is returned unchanged and nothing is written, even if
+    it targets another handler. Bad input raises before any write, naming the argument.
+    """
+    options = {
+        "args": args,
+        "kwargs": kwargs,
+        "at": at,
+        "delay": delay,
+        "key": key,
+        "max_attempts": max_attempts,
+        "backoff": backoff,
+        "on_complete": on_complete,
+        "context": context,
+        "parent": parent,
+    }
+    conf = get_settings()
+    now_ms = current_clock().now_ms()
+    planner = _Planner(conf, now_ms)
+    timer = planner.plan(fn_or_dotted_name, options, "")
+    planner.check_parents()
+    db = conf.DATABASE
+    with transaction.atomic(using=db, savepoint=False):
+        timer, created = store.insert_timer(db, timer)
+        if created:
+            store.announce(db, [timer], now_ms)
+    return timer
+
+
+def schedule_many(specs: Iterable[dict[str, Any]]) -> list[Timer]:
+    """Schedule many timers with one INSERT; return them in input order.
+
+    Each spec is a dict of :func:`schedule`'s keyword arguments plus ``"fn"``. All specs
+    are validated before anything is written (errors name the spec: ``specs[12].args[0]``).
+    Specs whose key exists return the existing timer; a key repeated within the call is a
+    ``ValueError``.
+    """
+    conf = get_settings()
+    now_ms = current_clock().now_ms()
+    planner = _Planner(conf, now_ms)
+    db = conf.DATABASE
+    with paused_gc():
+        planned, keys = _plan_all(planner, specs)
+    planner.check_parents()
+    with transaction.atomic(using=db, savepoint=False):
+        existing = store.by_keys(db, keys) if keys else {}
+        new = [t for t in planned if t.key is None or t.key not in existing]
+        inserted = iter(store.insert_many(db, new))
+        store.announce(db, new, now_ms, per_shard=True)
+    return [existing[t.key] if t.key in existing else next(inserted) for t in planned]
+
+
+def _plan_all(planner: _Planner, specs: Iterable[dict[str, Any]]) -> tuple[list[Timer], set[str]]:
+    planned: list[Timer] = []
+    first_index: dict[str, int] = {}
+    for index, spec in enumerate(specs):
+        where = f"specs[{index}]"
+        timer = planner.plan(_spec_target(spec, where), spec, where)
+        if timer.key is not None:
+            if timer.key in first_index:
+                raise ValueError(
+                    f"{where}.key: {timer.key!r} repeats specs[{first_index[timer.key]}].key"
+                )
+            first_index[timer.key] = index
+        planned.append(timer)
+    return planned, set(first_index)
+
+
+def cancel(timer_or_id: Timer | int) -> bool:
+    """Cancel a pending timer and its pending children (recursively); True if this call did.
+
+    False when the timer does not exist, already fired, failed, was cancelled, or is
+    being fired right now. Each cancelled timer with ``on_complete`` gets its follow-up
+    with ``result={"status": "canceled"}``. Runs in the caller's transaction.
+    """
+    timer_id = _timer_id(timer_or_id, "timer_or_id")
+    conf = get_settings()
+    return store.cancel_cascade(conf.DATABASE, timer_id, current_clock().now_ms())
+
+
+def _spec_target(spec: Any, where: str) -> Any:
+    if not isinstance(spec, dict):
+        raise TypeError(f"{where}: expected a dict of schedule() arguments, got {spec!r}")
+    if not SPEC_KEYS.issuperset(spec):  # no set built per spec on the happy path
+        unknown = sorted(set(spec) - SPEC_KEYS, key=str)
+        raise TypeError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
+    if "fn" not in spec:
+        raise TypeError(f"{where}: missing 'fn' (the handler or its dotted name)")
+    return spec["fn"]
+
+
+def _timer_id(value: Any, name: str) -> int:
+    if isinstance(value, Timer):
+        if value.pk is None:
+            raise TimerError(f"{name}: this Timer is not saved (it has no id)")
+        return int(value.pk)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a Timer or its id, got {type(value).__name__}")
+    return value
+
+
+class _Planner:
+    """Turns validated ``schedule()`` arguments into unsaved ``Timer`` rows.
+
+    One per call: it holds the call's single clock reading, caches handler lookups (a
+    ``schedule_many`` of 100k timers usually names one or two handlers) and collects
+    parent ids so they are checked with one query.
+    """
+
+    def __init__(self, conf: DurableSettings, now_ms: int) -> None:
+        self.conf = conf
+        self.now_ms = now_ms
+        self._specs: dict[Any, HandlerSpec] = {}
+        self._parents: dict[int, str] = {}
+        self._defaults = (conf.MAX_ATTEMPTS, conf.BACKOFF_BASE_S, conf.BACKOFF_MAX_S)
+
+    def plan(self, target: Any, options: dict[str, Any], where: str) -> Timer:
+        """Validate one timer's arguments (``schedule()``'s keywords) and return it, unsaved."""
+        conf = self.conf
+        get = options.get
+        spec = self.handler(target, v.label(where, "fn") if where else "fn_or_dotted_name")
+        fire_at_ms = v.fire_at_ms(get("at"), get("delay"), self.now_ms, where)
+        key = v.check_key(get("key"), where)
+        context = get("context")
+        args, kwargs = v.check_payload(
+            get("args", ()), get("kwargs"), context, conf.MAX_PAYLOAD_BYTES, where
+        )
+        max_attempts, base_s, max_s = self.policy(spec, get("max_attempts"), get("backoff"), where)
+        on_complete = get("on_complete")
+        if on_complete is not None:
+            on_complete = self.handler(on_complete, v.label(where, "on_complete")).name
+        parent = get("parent")
+        return store.new_timer(
+            # A key routes the same way everywhere; without one, a random routing key
+            # spreads timers evenly over shards.
+            shard=shard_for(key if key is not None else f"{getrandbits(128):032x}", conf.SHARDS),
+            bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+            fire_at_ms=fire_at_ms,
+            state=TimerState.PENDING,
+            kind=TimerKind.HANDLER,
+            target=spec.name,
+            args=args,
+            kwargs=kwargs,
+            key=key,
+            max_attempts=max_attempts,
+            backoff_base_s=base_s,
+            backoff_max_s=max_s,
+            parent_id=None if parent is None else self.parent_id(parent, where),
+            on_complete=on_complete or "",
+            context=context,
+        )
+
+    def policy(
+        self, spec: HandlerSpec, max_attempts: Any, backoff: Any, where: str
+    ) -> tuple[int, float, float]:
+        """Return ``(max_attempts, backoff base_s, max_s)``: call over handler over settings."""
+        conf = self.conf
+        overrides = (max_attempts, backoff, spec.max_attempts, spec.backoff)
+        if overrides == (None, None, None, None):
+            return self._defaults  # the common case, without building anything
+        max_attempts = v.check_max_attempts(max_attempts, where)
+        policy = v.to_backoff(backoff, conf.BACKOFF_MAX_S, where) or spec.backoff
+        return (
+            max_attempts or spec.max_attempts or conf.MAX_ATTEMPTS,
+            policy.base_s if policy else conf.BACKOFF_BASE_S,
+            policy.max_s if policy else conf.BACKOFF_MAX_S,
+        )
+
+    def handler(self, target: Any, name: str) -> HandlerSpec:
+        """Return the registered spec for a handler function or dotted name."""
+        if not isinstance(target, str | FunctionType):
+            return _resolve(target, name)  # maybe unhashable: not cached
+        spec = self._specs.get(target)
+        if spec is None:
+            spec = self._specs[target] = _resolve(target, name)
+        return spec
+
+    def parent_id(self, parent: Any, where: str) -> int:
+        """Return the parent's id, remembered for :meth:`check_parents`."""
+        name = v.label(where, "parent")
+        parent_id = _timer_id(parent, name)
+        self._parents.setdefault(parent_id, name)
+        return parent_id
+
+    def check_parents(self) -> None:
+        """Raise :class:`TimerError` naming the first parent that is not a timer."""
+        if not self._parents:
+            return
+        missing = store.missing_ids(self.conf.DATABASE, self._parents)
+        if missing:
+            parent_id = min(missing)
+            raise TimerError(
+                f"{self._parents[parent_id]}: no timer with id {parent_id}", parent=parent_id
+            )
+
+
+def _resolve(target: Any, name: str) -> HandlerSpec:
+    if isinstance(target, str):
+        try:
+            return handlers.resolve(target)
+        except UnknownHandler as exc:
+            raise UnknownHandler(f"{name}: {exc}", handler=target) from None
+    if not callable(target):
+        raise TypeError(
+            f"{name}: expected a @durable.handler function or its dotted name, "
+            f"got {type(target).__name__}"
+        )
+    try:
+        dotted = handler_name(target)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    spec = handlers.get(dotted)
+    if spec is None:
+        raise UnknownHandler(
+            f"{name}: {dotted} is not a durable handler; decorate it with @durable.handler",
+            handler=dotted,
+        )
+    return spec

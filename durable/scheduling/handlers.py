@@ -1,0 +1,82 @@
+"""``@durable.handler``: declare a module-level function as something a timer can fire."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from durable.conf import get_settings
+from durable.dispatch.registry import HandlerSpec, handler_name, handlers
+from durable.scheduling.validation import check_max_attempts, to_backoff
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@overload
+def handler(fn: F, /) -> F: ...
+
+
+@overload
+def handler(
+    *, atomic: bool = True, max_attempts: int | None = None, backoff: Any = None
+) -> Callable[[F], F]: ...
+
+
+def handler(
+    fn: Any = None,
+    /,
+    *,
+    atomic: bool = True,
+    max_attempts: int | None = None,
+    backoff: Any = None,
+) -> Any:
+    """Register a module-level function as a timer handler; return it unchanged.
+
+    Use bare (``@durable.handler``) or with options
+    (``@durable.handler(atomic=False, max_attempts=5, backoff=timedelta(seconds=30))``):
+
+    - ``atomic=True`` (default): the handler runs inside the transaction that marks its
+      timer fired, so its effect on the database happens exactly once.
+    - ``atomic=False``: for outside effects (HTTP calls, e-mail); at-least-once, use
+      ``durable.current_fire().idempotency_key`` to deduplicate.
+    - ``max_attempts``: attempts before the timer is dead-lettered (default
+      ``DURABLE["MAX_ATTEMPTS"]``); ``backoff``: a :class:`durable.Backoff`, or a
+      ``timedelta`` base delay capped by ``DURABLE["BACKOFF_MAX_S"]``.
+
+    Bad options raise ``TypeError``/``ValueError`` naming the argument, at decoration time.
+    """
+    if not isinstance(atomic, bool):
+        raise TypeError(f"atomic: expected True or False, got {type(atomic).__name__}")
+    check_max_attempts(max_attempts)
+    # Settings are read only for a timedelta: decorators run at import, and a handler
+    # module should not need configured settings unless it asks for them.
+    policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
+
+    def register(func: F) -> F:
+        _check_function(func)
+        spec = HandlerSpec(
+            name=handler_name(func),
+            fn=func,
+            atomic=atomic,
+            max_attempts=max_attempts,
+            backoff=policy,
+        )
+        handlers.register(spec)
+        return func
+
+    if fn is None:
+        return register
+    return register(fn)
+
+
+def _check_function(func: Any) -> None:
+    # Only plain functions are importable by the worker under a stable dotted name and
+    # callable without an instance; async ones would return an un-awaited coroutine.
+    if not inspect.isfunction(func):
+        raise TypeError(
+            f"@durable.handler decorates module-level functions, got {type(func).__name__} "
+            f"{func!r} (did you mean @durable.handler(...) with keyword arguments?)"
+        )
+    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        raise TypeError(f"handler {func.__qualname__!r} is async; handlers must be sync functions")

@@ -1,0 +1,106 @@
+"""Read-only overview queries for operators: the status command, the admin, metrics.
+
+Kept cheap on big tables: counts go through the partial pending index or are grouped on
+small tables (leases, nodes); nothing here counts the whole timer table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count
+
+from durable.models import ShardLease, Timer, TimerState, WorkerNode
+from durable.storage.leases import ms_to_dt
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStatus:
+    """One shard's lease and lag."""
+
+    shard: int
+    owner: str
+    token: int
+    expires_at: datetime | None
+    cursor_ms: int
+    lag_ms: int | None
+    live: bool
+
+
+def pending_by_shard(db: str) -> dict[int, int]:
+    """Pending timers per shard (an index-only count over the pending partial index)."""
+    rows = (
+        Timer.objects.using(db)
+        .filter(state=TimerState.PENDING)
+        .values("shard")
+        .annotate(n=Count("id"))
+        .values_list("shard", "n")
+    )
+    return dict(rows)
+
+
+def shards(db: str, now_ms: int) -> list[ShardStatus]:
+    """Every shard with its owner, token and lag (now - cursor) when owned."""
+    now = ms_to_dt(now_ms)
+    out = []
+    for lease in ShardLease.objects.using(db).order_by("shard"):
+        live = bool(lease.owner) and lease.expires_at is not None and lease.expires_at > now
+        lag = now_ms - lease.cursor_ms if live and lease.cursor_ms else None
+        out.append(
+            ShardStatus(
+                lease.shard, lease.owner, lease.token, lease.expires_at, lease.cursor_ms, lag, live
+            )
+        )
+    return out
+
+
+def nodes(db: str, now_ms: int, ttl_s: float) -> list[dict[str, Any]]:
+    """Worker nodes, most recent heartbeat first, with a ``live`` flag."""
+    since = ms_to_dt(now_ms) - timedelta(seconds=ttl_s)
+    out = []
+    for node in WorkerNode.objects.using(db).order_by("-heartbeat_at")[:100]:
+        out.append(
+            {
+                "name": node.name,
+                "host": node.host,
+                "pid": node.pid,
+                "heartbeat_at": node.heartbeat_at,
+                "started_at": node.started_at,
+                "live": node.stopped_at is None and node.heartbeat_at >= since,
+                "shards": len(node.shards or []),
+            }
+        )
+    return out
+
+
+def failed_timers(db: str, limit: int = 20) -> tuple[int, list[Timer]]:
+    """How many timers are dead-lettered, and the most recent ``limit`` of them."""
+    qs = Timer.objects.using(db).filter(state=TimerState.FAILED)
+    return qs.count(), list(qs.order_by("-updated_at")[:limit])
+
+
+def recent_fires(db: str, now_ms: int, window_s: int = 60, sample: int = 5000) -> dict[str, Any]:
+    """Fires in the last ``window_s`` seconds and their lateness (p50/p99/max, in ms).
+
+    Counted through the index on finished rows' ``updated_at``; lateness is computed over
+    the most recent ``sample`` fires so the cost stays bounded at high rates.
+    """
+    since = ms_to_dt(now_ms - window_s * 1000)
+    qs = Timer.objects.using(db).filter(state=TimerState.FIRED, updated_at__gte=since)
+    count = qs.count()
+    rows = qs.order_by("-updated_at").values_list("fire_at_ms", "fired_at")[:sample]
+    late = sorted(
+        max(0, int(fired.timestamp() * 1000) - due) for due, fired in rows if fired is not None
+    )
+
+    def pct(p: float) -> int | None:
+        return late[min(len(late) - 1, int(p * len(late)))] if late else None
+
+    return {
+        "window_s": window_s,
+        "fired": count,
+        "per_s": round(count / window_s, 1),
+        "lateness_ms": {"p50": pct(0.50), "p99": pct(0.99), "max": late[-1] if late else None},
+    }

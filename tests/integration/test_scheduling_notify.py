@@ -1,0 +1,109 @@
+"""PostgreSQL NOTIFY from the scheduling transaction: sent at commit, never on rollback.
+
+A separate psycopg connection LISTENs, as the worker does. To prove that something was
+*not* announced without waiting for silence, each test then commits a marker timer and
+checks that the marker's notice is the first one to arrive (notices come in commit order).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+from django.test.utils import override_settings
+
+import durable
+from durable.models import Timer
+from durable.storage.notify import CHANNEL, parse
+from durable.testing import ManualClock, override_clock
+from testproject.demo import handlers as h
+
+NOW = 1_700_000_000_000
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def clock():
+    with override_clock(ManualClock(start_ms=NOW)) as manual:
+        yield manual
+
+
+@pytest.fixture
+def listener():
+    params = connection.get_connection_params()
+    conn = psycopg.connect(
+        host=params.get("host"),
+        port=params.get("port"),
+        user=params.get("user"),
+        password=params.get("password"),
+        dbname=params.get("dbname"),
+        autocommit=True,
+    )
+    conn.execute(f"LISTEN {CHANNEL}")
+    yield conn
+    conn.close()
+
+
+def next_payload(listener, timeout: float = 10.0) -> str | None:
+    for notice in listener.notifies(timeout=timeout, stop_after=1):
+        return notice.payload
+    return None
+
+
+def marker_is_next(listener) -> None:
+    marker = durable.schedule(h.noop)
+    assert next_payload(listener) == f"{marker.shard},{marker.pk},{marker.fire_at_ms}"
+
+
+def test_near_term_timer_is_announced_only_at_commit(clock, listener):
+    with transaction.atomic():
+        timer = durable.schedule(h.noop, delay=timedelta(seconds=30))
+        assert next_payload(listener, timeout=0.2) is None  # not before commit
+    assert next_payload(listener) == f"{timer.shard},{timer.pk},{NOW + 30_000}"
+
+
+def test_rolled_back_timer_is_never_announced(clock, listener):
+    with transaction.atomic():
+        durable.schedule(h.noop)
+        transaction.set_rollback(True)
+    marker_is_next(listener)
+
+
+def test_timer_beyond_the_horizon_is_not_announced(clock, listener):
+    durable.schedule(h.noop, delay=timedelta(hours=2))  # horizon: 64 x 65.5 s ~ 70 min
+    marker_is_next(listener)
+
+
+def test_existing_key_is_not_announced_again(clock, listener):
+    first = durable.schedule(h.noop, key="once")
+    assert next_payload(listener) == f"{first.shard},{first.pk},{first.fire_at_ms}"
+    durable.schedule(h.noop, key="once")
+    marker_is_next(listener)
+
+
+def test_notify_setting_off_sends_nothing(clock, listener):
+    with override_settings(DURABLE={"NOTIFY": False}):
+        durable.schedule(h.noop)
+    marker_is_next(listener)
+
+
+def test_schedule_many_asks_each_near_shard_to_rescan_once(clock, listener):
+    timers = durable.schedule_many(
+        [{"fn": h.noop, "args": [i]} for i in range(300)]
+        + [{"fn": h.noop, "key": "far", "delay": timedelta(days=1)}]
+    )
+    notices = parse(next_payload(listener))
+    near_shards = {t.shard for t in timers[:300]}
+    assert {n.shard for n in notices} == near_shards
+    assert all(n.timer_id is None for n in notices)  # "<shard>,*": rescan, not one per timer
+    assert len(notices) == len(near_shards)
+    marker_is_next(listener)
+
+
+def test_on_complete_followup_is_announced_with_the_cancel(clock, listener):
+    timer = durable.schedule(h.noop, delay=timedelta(days=1), on_complete=h.on_done)
+    durable.cancel(timer)
+    followup = Timer.objects.get(key=f"on_complete:{timer.pk}")
+    assert next_payload(listener) == f"{followup.shard},{followup.pk},{NOW}"

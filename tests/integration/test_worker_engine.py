@@ -1,0 +1,225 @@
+"""The worker engine in-process, driven turn by turn with a manual clock (no sleeping).
+
+Runs on SQLite and on PostgreSQL. Multi-process behaviour (kill -9, SIGSTOP, several
+workers) is in tests/acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+
+import durable
+from durable.models import ShardLease, Timer, WorkerNode
+from durable.testing import ManualClock, override_clock
+from durable.worker.engine import Engine
+from testproject.demo import probes
+from testproject.demo.models import FireRecord
+
+START_MS = 1_900_000_000_000
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def clock():
+    clock = ManualClock(start_ms=START_MS)
+    with override_clock(clock):
+        yield clock
+
+
+@pytest.fixture
+def engine(clock, settings):
+    settings.DURABLE = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
+    eng = Engine(node="test-node", clock=clock, threads=2)
+    eng.stats.keep_lateness = True
+    eng.start()
+    eng.tick()
+    assert sorted(eng.runners) == [0, 1, 2, 3]
+    yield eng
+    eng.executor.shutdown(wait=True)
+
+
+def keys(prefix=""):
+    return sorted(FireRecord.objects.filter(key__startswith=prefix).values_list("key", flat=True))
+
+
+def test_fires_at_due_time_never_early_and_exactly_once(engine, clock):
+    for i in range(20):
+        durable.schedule(probes.record, args=[f"t{i}"], delay=timedelta(milliseconds=100 * i + 50))
+    clock.advance(49)
+    engine.tick()
+    assert keys("t") == []
+    for _ in range(25):
+        clock.advance(100)
+        engine.tick()
+    assert keys("t") == sorted(f"t{i}" for i in range(20))
+    for rec in FireRecord.objects.all():
+        assert rec.fired_at_ms >= rec.due_at_ms, "fired early"
+    assert Timer.objects.filter(state="fired").count() == 20
+    assert all(lat >= 0 for lat in engine.stats.lateness_ms)
+
+
+def test_rolled_back_schedule_never_fires(engine, clock):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        durable.schedule(probes.record, args=["ghost"], delay=timedelta(milliseconds=10))
+        raise RuntimeError("roll back")
+    clock.advance(5_000)
+    engine.tick()
+    assert keys("ghost") == [] and Timer.objects.count() == 0
+
+
+def test_retry_with_backoff_then_success_commits_one_effect(engine, clock):
+    durable.schedule(probes.fail_until, args=["r", 3])
+    for _ in range(40):
+        engine.tick()
+        clock.advance(500)
+    timer = Timer.objects.get()
+    assert timer.state == "fired" and timer.attempts == 3
+    # Failed attempts rolled back their own rows; the successful one committed once.
+    assert keys("r") == ["r", "r:attempt"]
+
+
+def test_dead_letter_stores_a_sanitized_error(engine, clock):
+    durable.schedule(probes.fail_until, args=["d", 99], on_complete=probes.outcome, context="x")
+    for _ in range(60):
+        engine.tick()
+        clock.advance(1_000)
+    timer = Timer.objects.get(target__endswith="fail_until")
+    assert timer.state == "failed" and timer.attempts == 3
+    assert "planned failure" in timer.last_error
+    assert "/srv/app" not in timer.last_error and "path.py" in timer.last_error
+    assert len(timer.last_error) <= 500
+    assert keys("outcome") == ["outcome:x:failed"]
+
+
+def test_one_failing_handler_does_not_undo_its_neighbours(engine, clock):
+    for i in range(5):
+        durable.schedule(probes.record, args=[f"n{i}"], key=f"n{i}")
+    durable.schedule(probes.fail_until, args=["bad", 99], key="bad")
+    clock.advance(1_000)  # on SQLite (no NOTIFY) the rescan finds new timers
+    engine.tick()
+    assert keys("n") == [f"n{i}" for i in range(5)]
+    assert Timer.objects.get(key="bad").state == "pending"  # retry recorded
+
+
+def test_on_complete_success(engine, clock):
+    durable.schedule(probes.record, args=["c"], on_complete=probes.outcome, context={"a": 1})
+    clock.advance(1_000)
+    engine.tick()  # fires the timer; its follow-up goes straight into the same wheel
+    engine.tick()
+    assert keys("outcome") == ["outcome:{'a': 1}:success"]
+    follow = Timer.objects.get(key__startswith="on_complete:")
+    assert follow.kwargs["result"] == {"status": "success", "value": "c"}
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_external_handler_is_claimed_run_and_completed(engine, clock):
+    timer = durable.schedule(probes.record_external, args=["ext"])
+    clock.advance(1_000)
+    engine.tick()
+    assert _wait_for(lambda: Timer.objects.get(pk=timer.pk).state == "fired")
+    assert keys("ext") == ["ext"]
+    assert engine.firer.in_flight == 0
+
+
+def test_expired_claim_is_run_again(engine, clock):
+    timer = durable.schedule(probes.record_external, args=["lost"])
+    # A worker claimed it and died: state firing, claim already expired.
+    Timer.objects.filter(pk=timer.pk).update(state="firing", attempts=1, claim_expires_ms=START_MS)
+    engine.runners[timer.shard].rescan(clock.now_ms())
+    engine.tick()
+    assert _wait_for(lambda: Timer.objects.get(pk=timer.pk).state == "fired")
+    assert keys("lost") == ["lost"]
+
+
+def test_fenced_out_worker_commits_nothing(engine, clock):
+    timer = durable.schedule(probes.record, args=["fenced"], delay=timedelta(seconds=1))
+    engine.tick()
+    # Another worker takes the shard over: the token moves on.
+    ShardLease.objects.filter(shard=timer.shard).update(owner="other", token=999)
+    clock.advance(2_000)
+    engine.tick()
+    assert keys("fenced") == []
+    assert Timer.objects.get(pk=timer.pk).state == "pending"
+    assert timer.shard not in engine.runners
+
+
+def test_only_the_horizon_is_in_memory(engine, clock):
+    far = durable.schedule(probes.record, args=["far"], delay=timedelta(days=30))
+    near = durable.schedule(probes.record, args=["near"], delay=timedelta(minutes=5))
+    for runner in engine.runners.values():  # what a new owner loads: backlog + horizon
+        runner.rebuild(clock.now_ms())
+    assert near.pk in engine.runners[near.shard].wheel
+    assert far.pk not in engine.runners[far.shard].wheel
+    clock.advance(timedelta(days=30))
+    engine.tick()
+    engine.tick()
+    assert keys() == ["far", "near"]
+
+
+def test_rescan_finds_a_timer_whose_notice_never_came(engine, clock, settings):
+    engine.tick()
+    settings.DURABLE = {**settings.DURABLE, "NOTIFY": False}
+    timer = durable.schedule(probes.record, args=["quiet"], delay=timedelta(seconds=3))
+    clock.advance(1_000)
+    engine.tick()  # rescan interval (1 s) passed: the row is read
+    assert timer.pk in engine.runners[timer.shard].wheel
+    clock.advance(2_500)
+    engine.tick()
+    assert keys("quiet") == ["quiet"]
+
+
+def test_unknown_handler_retries_then_dead_letters(engine, clock):
+    Timer.objects.create(
+        shard=0,
+        bucket=START_MS >> 16,
+        fire_at_ms=START_MS,
+        target="nope.gone",
+        max_attempts=2,
+        backoff_base_s=0.1,
+        backoff_max_s=0.1,
+    )
+    engine.runners[0].rescan(clock.now_ms())
+    for _ in range(5):
+        engine.tick()
+        clock.advance(1_000)
+    timer = Timer.objects.get(target="nope.gone")
+    assert timer.state == "failed" and "unknown handler 'nope.gone'" in timer.last_error
+
+
+def test_shutdown_releases_leases_and_marks_the_node_stopped(engine, clock):
+    engine.shutdown(wait_s=1)
+    assert not ShardLease.objects.exclude(owner="").exists()
+    assert WorkerNode.objects.get(name="test-node").stopped_at is not None
+
+
+def test_pruning_deletes_old_finished_rows(engine, clock):
+    durable.schedule(probes.record, args=["old"])
+    clock.advance(1_000)
+    engine.tick()
+    assert Timer.objects.filter(state="fired").count() == 1
+    Timer.objects.update(updated_at="2000-01-01T00:00:00Z")
+    engine._prune(clock.now_ms())
+    assert Timer.objects.count() == 0
+
+
+def test_fair_share_with_two_workers(engine, clock):
+    other = Engine(node="second", clock=clock)
+    other.start()
+    clock.advance(10_000)  # both heartbeat-fresh; the first gives up its extra shards
+    engine.tick()
+    other.tick()
+    assert len(engine.runners) == 2 and len(other.runners) == 2
+    assert set(engine.runners).isdisjoint(other.runners)
+    other.executor.shutdown(wait=True)
