@@ -54,18 +54,25 @@ def snapshot(db: str) -> list[LeaseRow]:
 
 
 def acquire(db: str, shard: int, owner: str, now_ms: int, ttl_s: float) -> int | None:
-    """Take ``shard`` if it is free or expired; return the new fencing token, or None."""
+    """Take ``shard`` if it is free or expired; return the new fencing token, or None.
+
+    The row is locked with SKIP LOCKED first: a lease row locked by someone's firing
+    transaction (see :func:`fence`) is busy, not free, and waiting on it would stall this
+    worker's whole loop behind a possibly frozen peer. The UPDATE re-checks the condition.
+    """
     now = ms_to_dt(now_ms)
+    free = Q(owner="") | Q(expires_at__isnull=True) | Q(expires_at__lte=now)
+    leases = ShardLease.objects.using(db)
     with transaction.atomic(using=db):
-        taken = (
-            ShardLease.objects.using(db)
-            .filter(shard=shard)
-            .filter(Q(owner="") | Q(expires_at__isnull=True) | Q(expires_at__lte=now))
-            .update(owner=owner, token=F("token") + 1, expires_at=now + timedelta(seconds=ttl_s))
+        candidate = leases.select_for_update(skip_locked=True).filter(free, shard=shard)
+        if not candidate.exists():
+            return None
+        taken = leases.filter(free, shard=shard).update(
+            owner=owner, token=F("token") + 1, expires_at=now + timedelta(seconds=ttl_s)
         )
         if not taken:
             return None
-        token: int = ShardLease.objects.using(db).values_list("token", flat=True).get(shard=shard)
+        token: int = leases.values_list("token", flat=True).get(shard=shard)
     return token
 
 

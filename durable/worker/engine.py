@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import (
     DatabaseError,
@@ -31,6 +32,7 @@ from django.db import (
     close_old_connections,
     connections,
 )
+from django.db.backends.signals import connection_created
 
 from durable.conf import DurableSettings, get_settings
 from durable.core.clock import Clock, SystemClock
@@ -41,7 +43,7 @@ from durable.metrics import WorkerMetrics
 from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
-from durable.worker.firer import Firer, Readd
+from durable.worker.firer import BatchOutcome, Firer, Readd
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
 from durable.worker.logs import event
@@ -108,10 +110,15 @@ class Engine:
         self.metrics = metrics or WorkerMetrics()
         self._next_sample_ms = 0
         self._next_db_sample_ms = 0
-        self._next_lease_ms = 0
+        # Renewal may also run between batches of a long turn; rebalancing (taking and
+        # giving up shards) only at the start of a turn. Separate deadlines, so busy
+        # firing, which renews often, never starves rebalancing.
+        self._next_renew_ms = 0
+        self._next_rebalance_ms = 0
         self._next_prune_ms = 0
         self._next_offset_ms = 0
         self._started = False
+        self._loop_thread = threading.get_ident()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -121,6 +128,10 @@ class Engine:
         now = self.clock.now_ms()
         lease_store.ensure_shards(self.db, self.conf.SHARDS)
         lease_store.register_node(self.db, self.node, socket.gethostname(), os.getpid(), now)
+        self._loop_thread = threading.get_ident()
+        connection_created.connect(self._guard_connection)
+        if connections[self.db].connection is not None:
+            self._guard_connection(sender=None, connection=connections[self.db])
         event(
             log,
             logging.INFO,
@@ -130,6 +141,27 @@ class Engine:
             db=connections[self.db].vendor,
         )
         self._started = True
+
+    def _guard_connection(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        """Make PostgreSQL abort this loop's transactions left idle past twice the lease TTL.
+
+        A worker frozen (SIGSTOP, VM pause) inside a firing transaction holds its lease
+        row lock; other workers skip locked rows, so without this the shard would wait
+        for the frozen worker. Atomic handlers must therefore stay short; long work goes
+        to ``atomic=False`` handlers, which run outside the batch transaction.
+        """
+        if (
+            connection.alias != self.db
+            or connection.vendor != "postgresql"
+            or threading.get_ident() != self._loop_thread
+        ):
+            return
+        timeout_ms = max(5_000, int(self.conf.LEASE_TTL_S * 2000))
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                [str(timeout_ms)],
+            )
 
     def run(self, duration_s: float | None = None) -> None:
         """Loop until :meth:`stop` (or ``duration_s``), then shut down cleanly."""
@@ -168,6 +200,7 @@ class Engine:
         except DatabaseError as exc:
             event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
         self.listener.close()
+        connection_created.disconnect(self._guard_connection)
         event(log, logging.INFO, "worker.stopped", node=self.node)
 
     # -- one turn ------------------------------------------------------------------------
@@ -176,7 +209,7 @@ class Engine:
         """Run maintenance that is due, then fire everything due now; return fires."""
         now = self.clock.now_ms()
         self._drain_inbox()
-        if now >= self._next_lease_ms:
+        if now >= self._next_rebalance_ms:
             self._maintain_leases(now)
         if now >= self._next_offset_ms:
             self._measure_offset()
@@ -193,47 +226,69 @@ class Engine:
 
     def _fire_due(self) -> int:
         fired = 0
-        for shard, runner in list(self.runners.items()):
+        size = self.conf.BATCH_SIZE
+        for shard in list(self.runners):
+            runner = self.runners.get(shard)
+            if runner is None:  # lost at a renewal between batches
+                continue
             now = self.clock.now_ms()
             ids = runner.due(now)
-            if not ids:
-                runner.cursor_ms = now
-                continue
-            try:
-                outcomes = self.firer.fire(runner, ids)
-            except LeaseLost as exc:
-                event(
-                    log,
-                    logging.WARNING,
-                    "lease.lost",
-                    shard=shard,
-                    token=runner.token,
-                    node=self.node,
-                    reason=str(exc),
-                )
-                self.runners.pop(shard, None)
-                continue
-            for outcome in outcomes:
-                fired += len(outcome.fired)
-                self.stats.errors += len(outcome.errors)
-                self.metrics.on_batch(
-                    shard, len(outcome.fired), outcome.lateness_ms, len(outcome.errors)
-                )
-                if self.stats.keep_lateness:
-                    self.stats.lateness_ms.extend(outcome.lateness_ms)
-            if not any(o.leftover for o in outcomes):
+            complete = True
+            for start in range(0, len(ids), size):
+                # A long turn must not let leases lapse: renew between batches.
+                self._renew_if_due()
+                if self.runners.get(shard) is not runner:
+                    break  # lost meanwhile; the new owner rebuilds from the rows
+                try:
+                    outcomes = self.firer.fire(runner, ids[start : start + size])
+                except LeaseLost as exc:
+                    self._drop(shard, reason=str(exc))
+                    break
+                for outcome in outcomes:
+                    fired += len(outcome.fired)
+                    complete = complete and not outcome.leftover
+                    self._record_batch(shard, outcome)
+            if complete:
                 runner.cursor_ms = now
         self.stats.fired += fired
         return fired
 
-    def _maintain_leases(self, now: int) -> None:
-        self._next_lease_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+    def _record_batch(self, shard: int, outcome: BatchOutcome) -> None:
+        self.stats.errors += len(outcome.errors)
+        self.metrics.on_batch(shard, len(outcome.fired), outcome.lateness_ms, len(outcome.errors))
+        if self.stats.keep_lateness:
+            self.stats.lateness_ms.extend(outcome.lateness_ms)
+
+    def _drop(self, shard: int, reason: str) -> None:
+        runner = self.runners.pop(shard, None)
+        if runner is not None:
+            event(
+                log,
+                logging.WARNING,
+                "lease.lost",
+                shard=shard,
+                token=runner.token,
+                node=self.node,
+                reason=reason,
+            )
+            self.metrics.on_lease("lost", len(self.runners))
+
+    def _renew_if_due(self) -> None:
+        """Heartbeat and renew (no rebalancing) when a renewal is due mid-turn."""
+        now = self.clock.now_ms()
+        if now < self._next_renew_ms:
+            return
+        self._next_renew_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
         held = {s: r.token for s, r in self.runners.items()}
         lease_store.heartbeat(self.db, self.node, held, now)
         cursors = {s: r.cursor_ms for s, r in self.runners.items()}
         for shard in self.keeper.renew(held, cursors, now):
-            self.runners.pop(shard, None)
-            self.metrics.on_lease("lost", len(self.runners))
+            self._drop(shard, reason="renewal found it taken over")
+
+    def _maintain_leases(self, now: int) -> None:
+        self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+        self._next_renew_ms = 0
+        self._renew_if_due()
         if not self.firer.in_flight:  # never hand over a shard with an external fire running
             for shard in self.keeper.to_release(self.runners, now):
                 runner = self.runners.pop(shard)
@@ -288,7 +343,7 @@ class Engine:
 
     def _sleep(self) -> None:
         now = self.clock.now_ms()
-        wake = [self._next_lease_ms]
+        wake = [self._next_rebalance_ms]
         for runner in self.runners.values():
             wake.append(runner.next_rescan_ms)
             nxt = runner.next_wakeup_ms()
@@ -352,6 +407,6 @@ class Engine:
         self.listener.close()
         self.stop_event.wait(backoff)
         # Renew at once on the next turn (dropping lost shards) and rescan what is due.
-        self._next_lease_ms = 0
+        self._next_rebalance_ms = 0
         for runner in self.runners.values():
             runner.next_rescan_ms = 0

@@ -6,6 +6,7 @@ transaction ends the sleep early so a timer due in 50 ms is not held back by a 1
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -28,6 +29,16 @@ class Listener:
         if not self.enabled:
             self.stop.wait(timeout_s)
             return []
+        # This connection is ours, not Django's: translate psycopg's errors into Django's
+        # so the engine's reconnect-with-backoff path handles a dropped LISTEN session.
+        with connections[self.db].wrap_database_errors:
+            try:
+                return self._wait(timeout_s)
+            except Exception:
+                self.close()
+                raise
+
+    def _wait(self, timeout_s: float) -> list[Notice]:
         conn = self._connect()
         notices: list[Notice] = []
         for note in conn.notifies(timeout=max(timeout_s, 0.0), stop_after=1):
@@ -39,11 +50,10 @@ class Listener:
 
     def close(self) -> None:
         """Drop the LISTEN connection (it is reopened on the next wait)."""
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a broken connection may refuse to close
+                conn.close()
 
     def _connect(self) -> Any:
         if self._conn is None or self._conn.closed:

@@ -1,0 +1,41 @@
+"""Handlers only the acceptance tests need; workers import them by dotted name."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import durable
+from durable.dispatch.context import current_fire
+from testproject.demo.models import FireRecord
+
+
+@durable.handler(max_attempts=1)
+def record_slowly(key: str, marker: str, seconds: float) -> str:
+    """Record ``key`` like ``probes.record``, then say so in ``marker`` and take ``seconds``.
+
+    The worker sits inside its firing transaction (holding its shard's lease row lock)
+    for ``seconds`` after the marker file appears: a test can freeze it exactly there.
+    """
+    ctx = current_fire()
+    assert ctx is not None
+    FireRecord.objects.create(key=key, fired_at_ms=ctx.fired_ms, due_at_ms=ctx.scheduled_ms)
+    Path(marker).write_text(key)
+    time.sleep(seconds)
+    return key
+
+
+@durable.handler(atomic=False, max_attempts=1)
+def record_externally_slowly(key: str, marker: str, seconds: float) -> str:
+    """An outside-effect handler that says it started in ``marker``, waits, then records.
+
+    It runs on the worker's executor with no transaction open: a test can freeze the
+    worker there without holding any lock, and see whether its completion is fenced.
+    """
+    ctx = current_fire()
+    assert ctx is not None
+    Path(marker).write_text(key)
+    time.sleep(seconds)
+    fired_ms = time.time_ns() // 1_000_000
+    FireRecord.objects.create(key=key, fired_at_ms=fired_ms, due_at_ms=ctx.scheduled_ms)
+    return key
