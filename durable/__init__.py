@@ -21,6 +21,10 @@ _EXPORTS: dict[str, str] = {
     "cancel": "durable.scheduling.api:cancel",
     "Backoff": "durable.core.backoff:Backoff",
     "current_fire": "durable.dispatch.context:current_fire",
+    "cron": "durable.scheduling.cron:cron",
+    "every": "durable.scheduling.cron:every",
+    "Occurrence": "durable.scheduling.cron:Occurrence",
+    "schedules": "durable.scheduling.schedules:schedules",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -22,6 +22,7 @@ class DurableConfig(AppConfig):
 
     def ready(self) -> None:
         from durable import checks  # noqa: F401  (registers the system checks)
+        from durable.scheduling import occurrences  # noqa: F401  (registers the "cron" kind)
 
         self.clock = SystemClock()
 

@@ -46,3 +46,51 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             )
         )
     return errors
+
+
+# Schedules: durable.E010 invalid cron expression, E011 unknown time zone, E012 unknown
+# catch-up policy, E013 unknown overlap policy, E014 duplicate schedule name, E015
+# malformed DURABLE["CRONS"] entry, E016 handler not importable or of the wrong shape,
+# E017 invalid interval or anchor, E018 invalid grace or atomic, E019 invalid name.
+@checks.register()
+def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Validate the declared schedules: ``DURABLE["CRONS"]`` and the decorators."""
+    from django.utils.module_loading import autodiscover_modules
+
+    from durable.conf import DurableSettings
+    from durable.exceptions import ScheduleError
+    from durable.scheduling.cron import declared
+    from durable.scheduling.specs import settings_spec
+
+    try:
+        crons = DurableSettings.from_dict(dict(getattr(settings, "DURABLE", {}) or {})).CRONS
+    except (TypeError, ValueError):
+        return []  # reported as durable.E001
+    errors: list[checks.CheckMessage] = []
+    try:
+        autodiscover_modules("crons")  # decorators validate as they run
+    except ScheduleError as exc:
+        errors.append(checks.Error(str(exc), id=getattr(exc, "check_id", "durable.E015")))
+    if not isinstance(crons, dict):
+        errors.append(
+            checks.Error(
+                f"DURABLE['CRONS'] must be a dict of name -> entry, got {type(crons).__name__}",
+                id="durable.E015",
+            )
+        )
+        return errors
+    decorated = {spec.name for spec in declared.specs()}
+    for name, entry in crons.items():
+        try:
+            settings_spec(name, entry)
+        except ScheduleError as exc:
+            errors.append(checks.Error(str(exc), id=getattr(exc, "check_id", "durable.E015")))
+        if name in decorated:
+            errors.append(
+                checks.Error(
+                    f"DURABLE['CRONS'][{name!r}]: a schedule of that name is also declared "
+                    "with @durable.cron / @durable.every",
+                    id="durable.E014",
+                )
+            )
+    return errors

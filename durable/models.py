@@ -132,3 +132,102 @@ class WorkerNode(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class CronSchedule(models.Model):
+    """A cron or interval schedule: its calendar, policies, chain state and last run.
+
+    The schedule itself never polls: each occurrence is a ``Timer`` (kind ``cron``, key
+    ``cron:<name>:<epoch_ms>``), and firing one locks this row, runs the handler, records
+    the run and inserts the next occurrence's timer in the same transaction. ``next_ms``
+    names the occurrence whose timer is live; a timer for any other occurrence is stale
+    and fires as a no-op, so the chain can neither break nor fork.
+    """
+
+    class Kind(models.TextChoices):
+        """What the schedule's calendar is."""
+
+        CRON = "cron", "cron expression"
+        INTERVAL = "interval", "fixed interval"
+
+    class CatchUp(models.TextChoices):
+        """What happens to occurrences missed while no worker ran them."""
+
+        SKIP = "skip", "skip missed occurrences"
+        FIRE_ONCE = "fire_once", "run the latest missed once"
+        FIRE_ALL = "fire_all", "run every missed one (at most 1000)"
+
+    class Overlap(models.TextChoices):
+        """What happens to occurrences due while a run is running."""
+
+        SKIP = "skip", "skip while running"
+        QUEUE = "queue", "queue one run"
+
+    class Source(models.TextChoices):
+        """Where the schedule was declared."""
+
+        CODE = "code", "@durable.cron / @durable.every"
+        SETTINGS = "settings", 'DURABLE["CRONS"]'
+        API = "api", "durable.schedules.create()"
+
+    class Status(models.TextChoices):
+        """Outcome of the last run."""
+
+        NONE = "", "never ran"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+        INTERRUPTED = "interrupted", "interrupted (worker died)"
+
+    name = models.CharField(max_length=200, unique=True)
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    expression = models.CharField(max_length=200, blank=True, default="")
+    interval_ms = models.BigIntegerField(null=True, blank=True)
+    anchor_ms = models.BigIntegerField(default=0, help_text="interval phase, epoch ms")
+    timezone = models.CharField(max_length=64, default="UTC")
+    catch_up = models.CharField(max_length=10, choices=CatchUp.choices, default=CatchUp.FIRE_ONCE)
+    overlap = models.CharField(max_length=10, choices=Overlap.choices, default=Overlap.SKIP)
+    grace_ms = models.BigIntegerField(default=60_000)
+    handler = models.CharField(max_length=255, help_text="dotted path of the function run")
+    atomic = models.BooleanField(default=True)
+    enabled = models.BooleanField(default=True)
+    source = models.CharField(max_length=10, choices=Source.choices, default=Source.API)
+    declaration = models.JSONField(
+        null=True, blank=True, help_text="the code/settings declaration last synced"
+    )
+    next_ms = models.BigIntegerField(null=True, blank=True)
+    next_at = models.DateTimeField(null=True, blank=True)
+    running = models.JSONField(
+        null=True, blank=True, help_text="the run of an atomic=False handler in progress"
+    )
+    running_until_ms = models.BigIntegerField(null=True, blank=True)
+    busy_since_ms = models.BigIntegerField(null=True, blank=True)
+    last_scheduled_ms = models.BigIntegerField(null=True, blank=True)
+    last_started_ms = models.BigIntegerField(null=True, blank=True)
+    last_run_at = models.DateTimeField(null=True, blank=True)
+    last_status = models.CharField(
+        max_length=12, choices=Status.choices, blank=True, default=Status.NONE
+    )
+    last_duration_ms = models.BigIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True, default="")
+    fired_count = models.PositiveBigIntegerField(default=0)
+    failed_count = models.PositiveBigIntegerField(default=0)
+    skipped_count = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["enabled", "name"], name="durable_cron_enabled_idx"),
+            models.Index(fields=["last_status"], name="durable_cron_status_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(kind="cron") & ~Q(expression=""))
+                | (Q(kind="interval") & Q(interval_ms__gte=1000)),
+                name="durable_cron_spec_ck",
+            )
+        ]
+
+    def __str__(self) -> str:
+        spec = self.expression if self.kind == self.Kind.CRON else f"every {self.interval_ms} ms"
+        return f"{self.name} ({spec}, {self.timezone})"

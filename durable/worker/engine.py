@@ -40,6 +40,7 @@ from durable.dispatch import kinds
 from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
+from durable.scheduling.cron import sync_declared
 from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
@@ -128,6 +129,10 @@ class Engine:
         now = self.clock.now_ms()
         lease_store.ensure_shards(self.db, self.conf.SHARDS)
         lease_store.register_node(self.db, self.node, socket.gethostname(), os.getpid(), now)
+        # Declared schedules (@durable.cron, DURABLE["CRONS"]) become rows with a pending
+        # first occurrence; idempotent, and safe when several workers start at once.
+        report = sync_declared(self.db, now)
+        event(log, logging.INFO, "schedules.synced", node=self.node, report=str(report))
         self._loop_thread = threading.get_ident()
         connection_created.connect(self._guard_connection)
         if connections[self.db].connection is not None:

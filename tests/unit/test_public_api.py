@@ -11,6 +11,10 @@ EXPECTED = {
     "cancel",
     "Backoff",
     "current_fire",
+    "cron",
+    "every",
+    "Occurrence",
+    "schedules",
 }
 
 

@@ -1,0 +1,355 @@
+"""Firing an occurrence: the ``cron`` timer kind, registered with the worker's firer.
+
+The firer resolves a ``cron`` timer's target (the schedule's name) through
+:func:`resolve` and calls the returned function with the timer's kwargs
+(``scheduled_ms``, and for a decided ``fire_all`` backlog ``catch_up``/``until_ms``).
+
+- **Atomic** schedules (the default) fire inside the worker's fenced batch transaction:
+  lock the ``CronSchedule`` row, decide (:func:`durable.core.catchup.decide`), run the
+  handler in a savepoint, record the run, insert the next occurrence's timer. One
+  commit covers all of it, so the chain cannot break or fork, and a run's effect on the
+  database happens exactly once.
+- **atomic=False** schedules run outside any transaction, at least once: a first
+  transaction decides and sets a *running* marker, the handler runs, a second
+  transaction records the run and inserts the next timer. The worker's claim on the
+  occurrence timer covers a crash in between: when the claim expires
+  (``CLAIM_TIMEOUT_S``) the timer fires again, finds its own marker and runs the
+  occurrence again. The next timer only exists once the run is over, so occurrences due
+  meanwhile are judged as overlapped: two runs never overlap (unless one outlives its
+  claim, as for any ``atomic=False`` handler).
+
+A handler that raises does not fail the timer: the error is recorded on the schedule
+(sanitized), its writes roll back, and the next occurrence runs as planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+from django.db import transaction
+from django.utils.module_loading import import_string
+
+from durable.apps import current_clock
+from durable.conf import get_settings
+from durable.core.catchup import Decision, Run, decide
+from durable.core.errors import sanitize_error
+from durable.core.timeutil import ms_to_datetime
+from durable.dispatch.context import current_fire
+from durable.dispatch.kinds import register_kind
+from durable.dispatch.registry import HandlerSpec
+from durable.models import CronSchedule, TimerState
+from durable.scheduling.cron import Occurrence
+from durable.scheduling.specs import row_spec
+from durable.storage import schedules as store
+
+log = logging.getLogger("durable.cron")
+
+RUN_FIELDS = (
+    "last_scheduled_ms",
+    "last_started_ms",
+    "last_run_at",
+    "last_duration_ms",
+    "last_status",
+    "last_error",
+    "fired_count",
+    "failed_count",
+    "busy_since_ms",
+)
+CHAIN_FIELDS = ("next_ms", "skipped_count", "running", "running_until_ms")
+
+
+def event(level: int, name: str, **fields: Any) -> None:
+    """Log ``name key=value ...`` (the worker's structured-event format)."""
+    if log.isEnabledFor(level):
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.log(level, "%s %s", name, text, extra={"durable": {"event": name, **fields}})
+
+
+# Schedule name -> atomic, as last read by this process. The resolver runs for every
+# fire, before the row is locked; a query there would cost a round trip per occurrence.
+# A change of mode made elsewhere is caught when the fire locks the row (ModeChanged).
+_modes: dict[str, bool] = {}
+
+
+class ModeChanged(Exception):
+    """The schedule's ``atomic`` flag changed since this process last read it.
+
+    Raised before anything runs; the firer retries the timer a moment later and the
+    resolver then picks the right path.
+    """
+
+
+def resolve(name: str) -> HandlerSpec:
+    """The ``cron`` kind's resolver: how to fire an occurrence of schedule ``name``."""
+    atomic = _modes.get(name)
+    if atomic is None:
+        atomic = store.is_atomic(get_settings().DATABASE, name)
+        if atomic is not None:
+            _modes[name] = atomic
+    if atomic is False:
+        return HandlerSpec(name=f"cron:{name}", fn=partial(fire_external, name), atomic=False)
+    # A deleted schedule (None) fires as a no-op inside the batch, which marks it fired.
+    return HandlerSpec(name=f"cron:{name}", fn=partial(fire_atomic, name), atomic=True)
+
+
+def forget_mode(name: str) -> None:
+    """Drop this process's cached ``atomic`` flag of ``name`` (after a change or delete)."""
+    _modes.pop(name, None)
+
+
+def _check_mode(row: CronSchedule, atomic: bool) -> None:
+    if row.atomic != atomic:
+        _modes[row.name] = row.atomic
+        raise ModeChanged(f"schedule {row.name!r} is now atomic={row.atomic}; retrying")
+
+
+register_kind("cron", resolve)
+
+
+def _now() -> int:
+    ctx = current_fire()
+    return ctx.fired_ms if ctx is not None else current_clock().now_ms()
+
+
+def _live(row: CronSchedule | None, scheduled_ms: int) -> bool:
+    # Only the timer of the occurrence the row names is live; any other (cancelled by a
+    # change that raced its fire, left over from before a pause) does nothing.
+    return row is not None and row.enabled and row.running is None and row.next_ms == scheduled_ms
+
+
+def _decide(row: CronSchedule, scheduled_ms: int, now_ms: int, backlog: dict[str, Any]) -> Decision:
+    spec = row_spec(row)
+    busy_until = None
+    if row.last_started_ms is not None and row.last_duration_ms is not None:
+        busy_until = row.last_started_ms + row.last_duration_ms
+    return decide(
+        spec.recurrence(),
+        spec.policy(),
+        scheduled_ms=scheduled_ms,
+        now_ms=now_ms,
+        until_ms=backlog.get("until_ms"),
+        then_ms=backlog.get("then_ms"),
+        busy_since_ms=row.busy_since_ms,
+        busy_until_ms=busy_until,
+    )
+
+
+def _backlog_of(catch_up: bool | None, until_ms: int | None, then_ms: int | None) -> dict[str, Any]:
+    # Only a timer of a decided fire_all backlog carries catch_up=True.
+    return {"until_ms": until_ms, "then_ms": then_ms} if catch_up else {}
+
+
+def fire_atomic(
+    name: str,
+    *,
+    scheduled_ms: int,
+    catch_up: bool | None = None,
+    until_ms: int | None = None,
+    then_ms: int | None = None,
+) -> dict[str, Any]:
+    """Fire occurrence ``scheduled_ms`` of an atomic schedule, in the caller's transaction."""
+    db = get_settings().DATABASE
+    now = _now()
+    row = store.lock(db, name)
+    if row is None or not _live(row, scheduled_ms):
+        event(logging.DEBUG, "cron.stale", schedule=name, scheduled_ms=scheduled_ms)
+        return {"stale": True}
+    _check_mode(row, atomic=True)
+    decision = _decide(row, scheduled_ms, now, _backlog_of(catch_up, until_ms, then_ms))
+    _note_skips(row, decision)
+    if not decision.backlog and decision.runs:
+        row.busy_since_ms = now
+    elapsed = 0
+    for run in decision.runs:
+        # Durations by the clock's own difference: the fire time (``now``) comes from
+        # the worker's database-corrected clock, which a handler cannot read.
+        occurrence = _occurrence(row.name, row.timezone, run, now + elapsed)
+        started = current_clock().now_ms()
+        status, error = _call(db, row.handler, occurrence, atomic=True)
+        duration = max(0, current_clock().now_ms() - started)
+        _record(row, run.occurrence_ms, now + elapsed, status, error, duration)
+        elapsed += duration
+    _advance(db, row, decision.next_ms, now, _next_backlog(decision))
+    store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
+    return {"ran": [run.occurrence_ms for run in decision.runs], "next_ms": row.next_ms}
+
+
+def _next_backlog(decision: Decision) -> dict[str, Any]:
+    if not decision.next_catch_up:
+        return {}
+    return {"catch_up": True, "until_ms": decision.until_ms, "then_ms": decision.then_ms}
+
+
+def _occurrence(name: str, tz: str, run: Run, started_ms: int) -> Occurrence:
+    return Occurrence.build(
+        name, tz, run.occurrence_ms, started_ms, catch_up=run.catch_up, missed=run.missed
+    )
+
+
+def fire_external(
+    name: str,
+    *,
+    scheduled_ms: int,
+    catch_up: bool | None = None,
+    until_ms: int | None = None,
+    then_ms: int | None = None,
+) -> dict[str, Any]:
+    """Fire occurrence ``scheduled_ms`` of an ``atomic=False`` schedule (see the module doc)."""
+    db = get_settings().DATABASE
+    now = _now()
+    with transaction.atomic(using=db):
+        plan = _start_external(
+            db, name, scheduled_ms, now, _backlog_of(catch_up, until_ms, then_ms)
+        )
+    if plan is None:
+        return {"ran": []}
+    results = []
+    elapsed = 0
+    for occurrence_ms, run_catch_up, missed in plan["runs"]:
+        run = Run(occurrence_ms, run_catch_up, missed)
+        occurrence = _occurrence(name, plan["tz"], run, now + elapsed)
+        started = current_clock().now_ms()
+        status, error = _call(db, plan["handler"], occurrence, atomic=False)
+        duration = max(0, current_clock().now_ms() - started)
+        results.append((occurrence_ms, now + elapsed, status, error, duration))
+        elapsed += duration
+    with transaction.atomic(using=db):
+        _finish_external(db, name, scheduled_ms, plan, results)
+    return {"ran": [r[0] for r in results]}
+
+
+def _start_external(
+    db: str, name: str, scheduled_ms: int, now: int, backlog: dict[str, Any]
+) -> dict[str, Any] | None:
+    row = store.lock(db, name)
+    if row is None:
+        return None
+    claim_ms = int(get_settings().CLAIM_TIMEOUT_S * 1000)
+    if row.running is not None and row.running.get("timer_ms") == scheduled_ms:
+        # Our own claim fired again: the worker that ran these occurrences stopped first.
+        plan = dict(row.running)
+        _record(row, plan["runs"][-1][0], now, "interrupted", _INTERRUPTED, None)
+        event(logging.WARNING, "cron.rerun", schedule=name, occurrences=plan["runs"])
+        row.running_until_ms = now + claim_ms
+        store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
+        return plan
+    if not _live(row, scheduled_ms):
+        event(logging.DEBUG, "cron.stale", schedule=name, scheduled_ms=scheduled_ms)
+        return None
+    _check_mode(row, atomic=False)
+    decision = _decide(row, scheduled_ms, now, backlog)
+    _note_skips(row, decision)
+    if not decision.runs:
+        _advance(db, row, decision.next_ms, now, _next_backlog(decision))
+        store.save(db, row, CHAIN_FIELDS)
+        return None
+    if not decision.backlog:
+        row.busy_since_ms = now
+    row.running = {
+        "timer_ms": scheduled_ms,
+        "runs": [[run.occurrence_ms, run.catch_up, run.missed] for run in decision.runs],
+        "next_ms": decision.next_ms,
+        "next": _next_backlog(decision),
+        "handler": row.handler,
+        "tz": row.timezone,
+    }
+    row.running_until_ms = now + claim_ms
+    row.next_ms = decision.next_ms  # its timer is inserted when the runs are over
+    store.save(db, row, (*CHAIN_FIELDS, "busy_since_ms"))
+    return dict(row.running)
+
+
+_INTERRUPTED = "the worker running it stopped before it finished; it runs again"
+
+
+def _finish_external(
+    db: str,
+    name: str,
+    scheduled_ms: int,
+    plan: dict[str, Any],
+    results: list[tuple[int, int, str, str, int]],
+) -> None:
+    row = store.lock(db, name)
+    if row is None or row.running is None or row.running.get("timer_ms") != scheduled_ms:
+        event(logging.WARNING, "cron.orphan_run", schedule=name, occurrences=plan["runs"])
+        return
+    for occurrence_ms, started_ms, status, error, duration in results:
+        _record(row, occurrence_ms, started_ms, status, error, duration)
+    row.running = None
+    row.running_until_ms = None
+    if row.enabled and row.next_ms is not None:
+        # A change made during the runs moved next_ms: the backlog decision is void.
+        backlog = plan["next"] if row.next_ms == plan["next_ms"] else {}
+        _advance(db, row, row.next_ms, results[-1][1] + results[-1][4], backlog)
+    store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
+
+
+def _call(db: str, path: str, occurrence: Occurrence, *, atomic: bool) -> tuple[str, str]:
+    """Run the schedule's function; return ``(status, sanitized error)``, never raise."""
+    try:
+        fn = import_string(path)
+        if atomic:
+            with transaction.atomic(using=db):  # its own savepoint: a failure undoes only it
+                fn(occurrence)
+        else:
+            fn(occurrence)
+    except Exception as exc:
+        error = sanitize_error(exc)
+        event(
+            logging.WARNING,
+            "cron.run_failed",
+            schedule=occurrence.schedule,
+            occurrence=occurrence.scheduled_ms,
+            error=error,
+        )
+        return CronSchedule.Status.FAILED, error
+    return CronSchedule.Status.SUCCEEDED, ""
+
+
+def _record(
+    row: CronSchedule,
+    run_ms: int,
+    started_ms: int,
+    status: str,
+    error: str,
+    duration: int | None,
+) -> None:
+    row.last_scheduled_ms = run_ms
+    row.last_started_ms = started_ms
+    row.last_run_at = ms_to_datetime(started_ms)
+    row.last_duration_ms = duration
+    row.last_status = status
+    row.last_error = error
+    if status == CronSchedule.Status.SUCCEEDED:
+        row.fired_count += 1
+    else:
+        row.failed_count += 1
+
+
+def _note_skips(row: CronSchedule, decision: Decision) -> None:
+    if not decision.skipped:
+        return
+    row.skipped_count += decision.skipped
+    event(
+        logging.WARNING if decision.reason == "missed" else logging.INFO,
+        "cron.skipped",
+        schedule=row.name,
+        count=decision.skipped,
+        reason=decision.reason,
+        policy=row.catch_up if decision.reason == "missed" else row.overlap,
+    )
+
+
+def _advance(db: str, row: CronSchedule, next_ms: int, now: int, backlog: dict[str, Any]) -> None:
+    """Point the row at occurrence ``next_ms`` and insert its timer."""
+    for _ in range(3):
+        timer = store.insert_occurrence(db, row.name, next_ms, now, **backlog)
+        if timer.state == TimerState.PENDING:
+            break
+        # That occurrence's key was used already (clocks that disagree): move past it.
+        event(logging.ERROR, "cron.key_taken", schedule=row.name, occurrence=next_ms)
+        next_ms = row_spec(row).recurrence().next_after(max(next_ms, now))
+        backlog = {}
+    row.next_ms = next_ms
