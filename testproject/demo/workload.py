@@ -45,3 +45,14 @@ def notify_outside(name: str) -> None:
 def after(timer_id: int, context: object, result: dict) -> None:
     """An on_complete follow-up."""
     _say(f"on_complete of #{timer_id}: {result['status']}")
+
+
+def heartbeat(occurrence: durable.Occurrence) -> None:
+    """An interval schedule's function: once per occurrence, however many workers run."""
+    late = int(time.time() * 1000) - occurrence.scheduled_ms
+    flag = " (catch-up)" if occurrence.catch_up else ""
+    print(
+        f"  cron   {occurrence.schedule} at {occurrence.scheduled_at:%H:%M:%S}{flag:<14}"
+        f"{late:>5} ms late",
+        flush=True,
+    )
