@@ -168,6 +168,13 @@ def mark_stopped(db: str, name: str, now_ms: int) -> None:
     WorkerNode.objects.using(db).filter(name=name).update(stopped_at=ms_to_dt(now_ms), shards=[])
 
 
+def live_node_names(db: str, now_ms: int, ttl_s: float) -> set[str]:
+    """Names of workers that heart-beat within ``ttl_s`` and have not stopped."""
+    since = ms_to_dt(now_ms) - timedelta(seconds=ttl_s)
+    rows = WorkerNode.objects.using(db).filter(heartbeat_at__gte=since, stopped_at__isnull=True)
+    return set(rows.values_list("name", flat=True))
+
+
 def live_node_count(db: str, now_ms: int, ttl_s: float) -> int:
     """Workers that heart-beat within ``ttl_s`` and have not stopped."""
     since = ms_to_dt(now_ms) - timedelta(seconds=ttl_s)

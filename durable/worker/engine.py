@@ -294,12 +294,16 @@ class Engine:
         self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
         self._next_renew_ms = 0
         self._renew_if_due()
+        rows = lease_store.snapshot(self.db)
+        foreign_expiry = self.keeper.next_foreign_expiry_ms(rows, now)
+        if foreign_expiry is not None:  # a peer that stops renewing is replaced at once
+            self._next_rebalance_ms = min(self._next_rebalance_ms, foreign_expiry + 50)
         if not self.firer.in_flight:  # never hand over a shard with an external fire running
-            for shard in self.keeper.to_release(self.runners, now):
+            for shard in self.keeper.to_release(self.runners, now, rows):
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
                 self.metrics.on_lease("released", len(self.runners))
-        for got in self.keeper.acquire_up_to_share(self.runners, now):
+        for got in self.keeper.acquire_up_to_share(self.runners, now, rows):
             started = time.monotonic()
             runner = ShardRunner(
                 shard=got.shard, token=got.token, db=self.db, conf=self.conf, now_ms=now
@@ -377,14 +381,28 @@ class Engine:
                 runner.add(timer_id, fire_at)
 
     def _measure_offset(self) -> None:
+        """Set the clock's offset so that it never runs ahead of the database's clock.
+
+        The database's reading happened somewhere between ``before`` and ``after``; taking
+        ``db_now - after`` (not the midpoint) can only make the worker's clock lag the
+        database's, by at most one round trip, so "never early" holds. Of five samples the
+        one with the shortest round trip is kept; the connection is opened beforehand so
+        that connecting does not widen the window.
+        """
         self._next_offset_ms = self.clock.now_ms() + OFFSET_EVERY_MS
         if not isinstance(self.clock, SystemClock):
             return
-        before = time.time_ns() // 1_000_000
-        db_now = lease_store.database_now_ms(self.db)
-        after = time.time_ns() // 1_000_000
-        if db_now is not None:
-            self.clock.offset_ms = db_now - (before + after) // 2
+        if lease_store.database_now_ms(self.db) is None:  # also opens the connection
+            return
+        best: tuple[int, int] | None = None  # (round trip, offset)
+        for _ in range(5):
+            before = time.time_ns() // 1_000_000
+            db_now = lease_store.database_now_ms(self.db)
+            after = time.time_ns() // 1_000_000
+            assert db_now is not None
+            if best is None or after - before < best[0]:
+                best = (after - before, db_now - after)
+        self.clock.offset_ms = best[1]
 
     def _prune(self, now: int) -> None:
         self._next_prune_ms = now + PRUNE_EVERY_MS

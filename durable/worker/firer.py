@@ -5,8 +5,9 @@ on the app's database happens exactly once. The fast path runs a batch without s
 (a savepoint per handler is two extra round trips and, past 64 per transaction, a
 PostgreSQL subtransaction overflow); if any handler raises, the whole batch rolls back and
 runs again with a savepoint per handler, so the failing handler rolls back only its own
-effects and records its retry. Atomic handlers must therefore keep their effects inside
-the database: a batch that met a failure calls its other handlers twice, committing once.
+effects and records its retry (the failing handler itself is not called again). Atomic
+handlers must therefore keep their effects inside the database: the handlers that ran
+before the failure in that batch are called twice, and commit once.
 
 External handlers (``atomic=False``) are claimed in the batch transaction, run on the
 executor after commit, and completed in a second fenced transaction; a crash in between
@@ -47,6 +48,11 @@ Readd = tuple[int, int, int]
 
 class _Rollback(Exception):
     """A handler raised on the fast path: roll the batch back and redo it carefully."""
+
+    def __init__(self, timer_id: int, error: Exception) -> None:
+        super().__init__(timer_id, error)
+        self.timer_id = timer_id
+        self.error = error
 
 
 @dataclass(slots=True)
@@ -99,14 +105,19 @@ class Firer:
         for start in range(0, len(ids), size):
             chunk = ids[start : start + size]
             try:
-                outcome = self._batch(runner, chunk, careful=False)
-            except _Rollback:
-                outcome = self._batch(runner, chunk, careful=True)
+                outcome = self._batch(runner, chunk)
+            except _Rollback as failed:
+                # The careful redo records the known failure without calling that handler
+                # again; the handlers before it run again (their first effects rolled back).
+                outcome = self._batch(runner, chunk, failed={failed.timer_id: failed.error})
             self._after_commit(runner, outcome)
             outcomes.append(outcome)
         return outcomes
 
-    def _batch(self, runner: ShardRunner, ids: Sequence[int], *, careful: bool) -> BatchOutcome:
+    def _batch(
+        self, runner: ShardRunner, ids: Sequence[int], *, failed: dict[int, Exception] | None = None
+    ) -> BatchOutcome:
+        """One fenced transaction. ``failed`` set means careful mode: a savepoint per handler."""
         outcome = BatchOutcome()
         now_ms = self.clock.now_ms()
         deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
@@ -117,12 +128,17 @@ class Firer:
                     outcome.leftover.append(timer)  # budget spent: next batch takes it
                     continue
                 outcome.lateness_ms.append(now_ms - timer.fire_at_ms)
-                self._run_one(timer, now_ms, careful, outcome)
+                self._run_one(timer, now_ms, runner.token, failed, outcome)
             self._record(runner, outcome, now_ms)
         return outcome
 
     def _run_one(
-        self, timer: store.DueTimer, now_ms: int, careful: bool, out: BatchOutcome
+        self,
+        timer: store.DueTimer,
+        now_ms: int,
+        token: int,
+        failed: dict[int, Exception] | None,
+        out: BatchOutcome,
     ) -> None:
         try:
             spec = self._resolve(timer)
@@ -132,13 +148,16 @@ class Firer:
         if not spec.atomic:
             out.external.append(timer)
             return
-        ctx = _context(timer, timer.attempts + 1, now_ms)
-        if not careful:
+        ctx = _context(timer, timer.attempts + 1, now_ms, token)
+        if failed is None:
             try:
                 with firing(ctx):
                     out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
             except Exception as exc:
-                raise _Rollback from exc
+                raise _Rollback(timer.id, exc) from exc
+            return
+        if timer.id in failed:
+            out.errors.append((timer, failed[timer.id]))
             return
         try:
             with transaction.atomic(using=self.db), firing(ctx):
@@ -243,7 +262,7 @@ class Firer:
             spec = self._resolve(timer)
             now_ms = self.clock.now_ms()
             try:
-                with firing(_context(timer, attempt, now_ms)):
+                with firing(_context(timer, attempt, now_ms, token)):
                     value: Any = spec.fn(*timer.args, **timer.kwargs)
                 error: BaseException | None = None
             except Exception as exc:
@@ -293,13 +312,15 @@ class Firer:
                 self._followup(timer, {"status": "success", "value": result}, now_ms, readd)
 
 
-def _context(timer: store.DueTimer, attempt: int, now_ms: int) -> FireContext:
+def _context(timer: store.DueTimer, attempt: int, now_ms: int, token: int) -> FireContext:
     return FireContext(
         timer_id=timer.id,
         key=timer.key,
         attempt=attempt,
         scheduled_ms=timer.fire_at_ms,
         fired_ms=now_ms,
+        shard=timer.shard,
+        token=token,
     )
 
 

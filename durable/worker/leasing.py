@@ -38,10 +38,29 @@ class LeaseKeeper:
         self.scope = sorted(scope)
         self.ttl_s = ttl_s
 
-    def fair_share(self, now_ms: int) -> int:
-        """How many shards this worker should hold now."""
-        live = max(1, store.live_node_count(self.db, now_ms, self.ttl_s))
-        return math.ceil(len(self.scope) / live)
+    def fair_share(self, now_ms: int, rows: list[store.LeaseRow] | None = None) -> int:
+        """How many shards this worker should hold now.
+
+        Live workers are those with a fresh heartbeat, minus those that let a lease lapse:
+        a killed worker's heartbeat looks fresh for up to a TTL after its leases expired,
+        and counting it would make the survivors wait that long to take its shards.
+        """
+        live = store.live_node_names(self.db, now_ms, self.ttl_s)
+        if rows is not None:
+            now = store.ms_to_dt(now_ms)
+            live -= {r.owner for r in rows if r.owner and r.is_free(now)}
+        live.add(self.node)
+        return math.ceil(len(self.scope) / len(live))
+
+    def next_foreign_expiry_ms(self, rows: list[store.LeaseRow], now_ms: int) -> int | None:
+        """When the next lease held by another worker expires (to rebalance right then)."""
+        now = store.ms_to_dt(now_ms)
+        times = [
+            int(r.expires_at.timestamp() * 1000)
+            for r in rows
+            if r.owner and r.owner != self.node and r.expires_at is not None and r.expires_at > now
+        ]
+        return min(times) if times else None
 
     def renew(self, held: dict[int, int], cursors: dict[int, int], now_ms: int) -> set[int]:
         """Renew ``held``; return the shards lost since the last renewal."""
@@ -55,20 +74,24 @@ class LeaseKeeper:
             )
         return lost
 
-    def to_release(self, held: Iterable[int], now_ms: int) -> list[int]:
+    def to_release(
+        self, held: Iterable[int], now_ms: int, rows: list[store.LeaseRow] | None = None
+    ) -> list[int]:
         """Shards above the fair share, highest numbers first."""
         held = sorted(held)
-        extra = len(held) - self.fair_share(now_ms)
+        extra = len(held) - self.fair_share(now_ms, rows)
         return held[::-1][:extra] if extra > 0 else []
 
-    def acquire_up_to_share(self, held: Iterable[int], now_ms: int) -> list[Acquired]:
+    def acquire_up_to_share(
+        self, held: Iterable[int], now_ms: int, rows: list[store.LeaseRow]
+    ) -> list[Acquired]:
         """Take free or expired leases until this worker holds its fair share."""
         held = set(held)
-        want = self.fair_share(now_ms) - len(held)
+        want = self.fair_share(now_ms, rows) - len(held)
         if want <= 0:
             return []
         now = store.ms_to_dt(now_ms)
-        rows = [r for r in store.snapshot(self.db) if r.shard in self.scope]
+        rows = [r for r in rows if r.shard in self.scope]
         # Cleanly released leases first: taking an expired one means a takeover.
         free = [r for r in rows if r.shard not in held and r.is_free(now)]
         free.sort(key=lambda r: (bool(r.owner), r.shard))

@@ -12,6 +12,10 @@ import durable
 from durable.dispatch.context import current_fire
 from testproject.demo.models import FireRecord
 
+#: Calls per key and the (shard, token) a handler saw, for in-process tests only.
+CALLS: dict[str, int] = {}
+LAST_CONTEXT: dict[str, tuple[int | None, int | None]] = {}
+
 
 def _now_ms() -> int:
     ctx = current_fire()
@@ -22,6 +26,8 @@ def _now_ms() -> int:
 def record(key: str) -> str:
     """Write one row for ``key`` (atomic: exactly once)."""
     ctx = current_fire()
+    if ctx is not None:
+        LAST_CONTEXT[key] = (ctx.shard, ctx.token)
     FireRecord.objects.create(key=key, fired_at_ms=_now_ms(), due_at_ms=ctx and ctx.scheduled_ms)
     return key
 
@@ -31,6 +37,7 @@ def fail_until(key: str, succeed_on_attempt: int) -> int:
     """Raise until attempt ``succeed_on_attempt``; the failed attempts' rows roll back."""
     ctx = current_fire()
     assert ctx is not None
+    CALLS[key] = CALLS.get(key, 0) + 1
     FireRecord.objects.create(key=f"{key}:attempt", fired_at_ms=_now_ms())
     if ctx.attempt < succeed_on_attempt:
         raise RuntimeError(f"planned failure in /srv/app/secret/path.py attempt {ctx.attempt}")

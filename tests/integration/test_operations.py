@@ -106,3 +106,21 @@ def test_status_command_text_and_json(engine):
         call_command("durable_status", stdout=text)
     assert "workers: 1 live" in text.getvalue()
     assert "failed timers (dead letter): 1" in text.getvalue()
+
+
+@pytest.mark.postgres
+def test_measured_offset_never_puts_the_worker_ahead_of_the_database(settings):
+    """The corrected clock may lag the database by a round trip, never lead it."""
+    from durable.core.clock import SystemClock
+    from durable.storage.leases import database_now_ms
+
+    settings.DURABLE = {"SHARDS": 2}
+    clock = SystemClock(offset_ms=50)  # deliberately wrong before measuring
+    eng = Engine(node="offset-node", clock=clock, threads=1)
+    try:
+        eng._measure_offset()
+        for _ in range(200):
+            mine = clock.now_ms()
+            assert mine <= database_now_ms("default"), "worker clock ahead of the database"
+    finally:
+        eng.executor.shutdown(wait=True)

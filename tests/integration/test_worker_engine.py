@@ -223,3 +223,36 @@ def test_fair_share_with_two_workers(engine, clock):
     assert len(engine.runners) == 2 and len(other.runners) == 2
     assert set(engine.runners).isdisjoint(other.runners)
     other.executor.shutdown(wait=True)
+
+
+def test_a_failing_handler_is_not_called_again_in_the_careful_redo(engine, clock):
+    durable.schedule(probes.fail_until, args=["once", 99], key="once")
+    clock.advance(1_000)
+    engine.tick()
+    # One attempt: its row rolled back, and the redo with savepoints did not call it again.
+    timer = Timer.objects.get(key="once")
+    assert timer.attempts == 1 and timer.state == "pending"
+    assert probes.CALLS["once"] == 1
+
+
+def test_handlers_see_their_shard_and_fencing_token(engine, clock):
+    timer = durable.schedule(probes.record, args=["ctx"])
+    clock.advance(1_000)
+    engine.tick()
+    assert probes.LAST_CONTEXT["ctx"] == (timer.shard, engine.runners[timer.shard].token)
+
+
+def test_a_row_moved_later_after_loading_does_not_fire_early(engine, clock):
+    timer = durable.schedule(probes.record, args=["moved"], delay=timedelta(seconds=2))
+    for runner in engine.runners.values():
+        runner.rebuild(clock.now_ms())
+    assert timer.pk in engine.runners[timer.shard].wheel
+    later = timer.fire_at_ms + 60_000
+    Timer.objects.filter(pk=timer.pk).update(fire_at_ms=later, bucket=later >> 16)
+    clock.advance(3_000)
+    engine.tick()
+    assert keys("moved") == []
+    clock.set(later)
+    engine.tick()
+    engine.tick()
+    assert keys("moved") == ["moved"]

@@ -1,0 +1,19 @@
+"""durable's side of the schedule benchmark: the handler every benchmark schedule runs.
+
+It lives in its own module (not in ``bench/schedules.py``, which runs as ``__main__``) so
+that the engine, resolving ``bench.peers.cron_side.stamp`` by name, finds this module's
+recorder rather than a second copy of the script.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench._common import Recorder, wall_ms
+
+RECORDER = Recorder()
+
+
+def stamp(occurrence: Any) -> None:
+    """Record ``(scheduled_ms, wall clock now)``: lateness is measured at handler start."""
+    RECORDER.events.append((occurrence.scheduled_ms, wall_ms()))

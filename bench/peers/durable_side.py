@@ -1,0 +1,183 @@
+"""durable's side of the timer benchmark: handlers, fast inserts, an in-process worker.
+
+The handlers must be importable by dotted name (``bench.peers.durable_side.noop``) because
+a real ``manage.py run_timer_shards`` subprocess resolves them that way; ``manage.py``
+puts the repository root on ``sys.path``, so ``bench`` imports as a namespace package.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import connections, transaction
+
+import durable
+from bench._common import Recorder, wall_ms
+from durable.conf import get_settings
+from durable.dispatch.context import current_fire
+
+#: Lateness samples (fired wall ms - due ms) of the in-process worker's handlers.
+RECORDER = Recorder()
+
+EFFECT_DDL = (
+    "CREATE TABLE IF NOT EXISTS bench_effect "
+    "(ref bigint NOT NULL, due_ms bigint NOT NULL, fired_ms double precision NOT NULL)"
+)
+
+
+@durable.handler
+def noop() -> None:
+    """The no-op atomic handler: records its lateness in memory, touches no table."""
+    ctx = current_fire()
+    RECORDER.events.append((ctx.scheduled_ms, wall_ms()))  # type: ignore[union-attr]
+
+
+@durable.handler
+def write(ref: int) -> None:
+    """An atomic handler with an effect: one INSERT in the firing transaction."""
+    ctx = current_fire()
+    assert ctx is not None
+    fired = wall_ms()
+    with connections[get_settings().DATABASE].cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO bench_effect (ref, due_ms, fired_ms) VALUES (%s, %s, %s)",
+            [ref, ctx.scheduled_ms, fired],
+        )
+    RECORDER.events.append((ctx.scheduled_ms, fired))
+
+
+NOOP = "bench.peers.durable_side.noop"
+WRITE = "bench.peers.durable_side.write"
+
+
+# --- tables ------------------------------------------------------------------------------
+
+
+def raw(sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+    """Run one statement on durable's database (autocommit) and return its rows."""
+    with connections[get_settings().DATABASE].cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def reset_tables() -> None:
+    """Empty timers, leases, nodes and effects: each section starts from a clean slate."""
+    raw(EFFECT_DDL)
+    raw("TRUNCATE durable_timer, durable_workernode, bench_effect, demo_firerecord CASCADE")
+    raw("UPDATE durable_shardlease SET owner = '', expires_at = NULL, cursor_ms = 0")
+    raw("VACUUM ANALYZE durable_timer")
+
+
+def pending_count() -> int:
+    """Pending rows in durable_timer."""
+    return int(raw("SELECT count(*) FROM durable_timer WHERE state = 'pending'")[0][0])
+
+
+# --- scheduling ----------------------------------------------------------------------------
+
+
+def to_dt(ms: float) -> datetime:
+    """Epoch ms → aware datetime (the public API takes datetimes)."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def schedule_many(fire_at_ms: Sequence[int], target: str = NOOP, chunk: int = 5_000) -> float:
+    """``durable.schedule_many`` in transactions of ``chunk`` timers; return the seconds taken."""
+    db = get_settings().DATABASE
+    started = time.perf_counter()
+    for start in range(0, len(fire_at_ms), chunk):
+        part = fire_at_ms[start : start + chunk]
+        if target == WRITE:
+            specs = [
+                {"fn": target, "at": to_dt(ms), "args": [start + i]} for i, ms in enumerate(part)
+            ]
+        else:
+            specs = [{"fn": target, "at": to_dt(ms)} for ms in part]
+        with transaction.atomic(using=db):
+            durable.schedule_many(specs)
+    return time.perf_counter() - started
+
+
+def schedule_one_per_transaction(n: int, fire_at_ms: int) -> float:
+    """``durable.schedule`` n times in autocommit mode (one transaction each)."""
+    at = to_dt(fire_at_ms)
+    started = time.perf_counter()
+    for _ in range(n):
+        durable.schedule(NOOP, at=at)
+    return time.perf_counter() - started
+
+
+def sql_insert(
+    n: int, first_ms: int, step_ms: float, *, shard: int | None = None, target: str = NOOP
+) -> float:
+    """Insert ``n`` pending timers straight into durable_timer with ``generate_series``.
+
+    A benchmark shortcut for the 1M/5M-row set-ups (the public ``schedule_many`` would
+    take minutes); the rows are exactly what ``schedule()`` writes for a plain handler.
+    ``fire_at_ms = first_ms + i * step_ms``; shards round-robin unless ``shard`` is given.
+    """
+    conf = get_settings()
+    shard_expr = "%s" if shard is not None else f"(i %% {conf.SHARDS})"
+    sql = f"""
+        INSERT INTO durable_timer (shard, bucket, fire_at_ms, state, kind, target, args,
+            kwargs, attempts, max_attempts, backoff_base_s, backoff_max_s, on_complete,
+            last_error, created_at, updated_at)
+        SELECT {shard_expr}, f >> {conf.BUCKET_SHIFT}, f, 'pending', 'handler', %s, '[]',
+            '{{}}', 0, 5, 1, 3600, '', '', now(), now()
+        FROM (SELECT i, (%s + floor(i * %s::float8))::bigint AS f
+              FROM generate_series(0, %s - 1) AS i) AS s
+    """
+    params: list[Any] = [shard] if shard is not None else []
+    params += [target, first_ms, step_ms, n]
+    started = time.perf_counter()
+    raw(sql, params)
+    return time.perf_counter() - started
+
+
+# --- the worker, in-process ------------------------------------------------------------------
+
+
+class EngineThread:
+    """``Engine.run()`` in a thread of this process: the real loop (leases, NOTIFY, rescans,
+    wheel, fenced batches), with its handlers' lateness visible in :data:`RECORDER`."""
+
+    def __init__(self, node: str = "bench-worker", *, grouped: bool = False) -> None:
+        from durable.worker.engine import Engine
+
+        if grouped:  # the prototype of bench/peers/grouped_engine.py, not the shipped loop
+            from bench.peers.grouped_engine import GroupedEngine as Engine
+
+        self.engine = Engine(node=node, threads=1)
+        self.thread = threading.Thread(target=self._run, name="durable-engine", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.engine.run()
+        finally:
+            connections.close_all()
+
+    def start(self, timeout_s: float = 60.0) -> float:
+        """Start and wait until it holds every shard; return the seconds that took."""
+        started = time.perf_counter()
+        self.thread.start()
+        shards = get_settings().SHARDS
+        deadline = time.monotonic() + timeout_s
+        while len(self.engine.runners) < shards:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker holds {len(self.engine.runners)}/{shards} shards")
+            time.sleep(0.01)
+        return time.perf_counter() - started
+
+    @property
+    def fired(self) -> int:
+        """Timers fired so far (the engine's own counter)."""
+        return self.engine.stats.fired
+
+    def stop(self) -> None:
+        """Stop the loop and release the leases."""
+        self.engine.stop()
+        self.thread.join(timeout=60)
