@@ -25,6 +25,11 @@ _EXPORTS: dict[str, str] = {
     "every": "durable.scheduling.cron:every",
     "Occurrence": "durable.scheduling.cron:Occurrence",
     "schedules": "durable.scheduling.schedules:schedules",
+    "workflow": "durable.workflows.registry:workflow",
+    "Workflow": "durable.workflows.registry:Workflow",
+    "WorkflowContext": "durable.workflows.context:WorkflowContext",
+    "send_signal": "durable.workflows.operations:send_signal",
+    "cancel_workflow": "durable.workflows.operations:cancel_workflow",
 }
 
 __all__ = ["__version__", *_EXPORTS]

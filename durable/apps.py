@@ -23,6 +23,7 @@ class DurableConfig(AppConfig):
     def ready(self) -> None:
         from durable import checks  # noqa: F401  (registers the system checks)
         from durable.scheduling import occurrences  # noqa: F401  (registers the "cron" kind)
+        from durable.workflows import resume  # noqa: F401  (registers the "workflow" kind)
 
         self.clock = SystemClock()
 

@@ -56,3 +56,16 @@ class NonDeterminismError(WorkflowError):
 
 class StepFailed(WorkflowError):
     """A workflow step exhausted its attempts."""
+
+
+class UnknownWorkflow(WorkflowError):
+    """No workflow is registered under that name, or no run has that id."""
+
+
+# Also a TimeoutError, so ``except TimeoutError`` in workflow code catches it.
+class SignalTimeout(WorkflowError, TimeoutError):
+    """``ctx.wait_for_signal`` reached its timeout before the signal arrived."""
+
+
+class ChildWorkflowFailed(WorkflowError):
+    """A child workflow awaited with ``ctx.wait_child`` failed or was cancelled."""

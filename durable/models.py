@@ -231,3 +231,150 @@ class CronSchedule(models.Model):
     def __str__(self) -> str:
         spec = self.expression if self.kind == self.Kind.CRON else f"every {self.interval_ms} ms"
         return f"{self.name} ({spec}, {self.timezone})"
+
+
+class WorkflowState(models.TextChoices):
+    """Life cycle of a workflow run.
+
+    pending → running → (sleeping | waiting → running)* → completed | failed; any
+    unfinished state → canceled. A failed run can be retried (back to pending).
+    """
+
+    PENDING = "pending", "pending"
+    RUNNING = "running", "running"
+    SLEEPING = "sleeping", "sleeping"
+    WAITING = "waiting", "waiting"
+    COMPLETED = "completed", "completed"
+    FAILED = "failed", "failed"
+    CANCELED = "canceled", "canceled"
+
+
+class WorkflowRunQuerySet(models.QuerySet["WorkflowRun"]):
+    """Filters for listing runs: ``WorkflowRun.objects.active().named(wf)``."""
+
+    def named(self, workflow: object) -> WorkflowRunQuerySet:
+        """Runs of a workflow, given by its registered name or the decorated object."""
+        return self.filter(name=getattr(workflow, "name", workflow))
+
+    def active(self) -> WorkflowRunQuerySet:
+        """Runs not finished yet (pending, running, sleeping or waiting)."""
+        return self.filter(state__in=WorkflowRun.ACTIVE_STATES)
+
+    def finished(self) -> WorkflowRunQuerySet:
+        """Runs that completed, failed or were cancelled."""
+        return self.exclude(state__in=WorkflowRun.ACTIVE_STATES)
+
+    def for_object(self, obj: models.Model) -> WorkflowRunQuerySet:
+        """Runs bound to a model instance (``@durable.workflow`` on one of its methods)."""
+        return self.filter(model_label=obj._meta.label_lower, object_pk=str(obj.pk))
+
+
+class WorkflowRun(models.Model):
+    """One execution of a workflow: its arguments, state, result and bound row.
+
+    The id is the run id (given to ``start(run_id=...)`` or generated). Every timer of a
+    run is routed to ``shard`` (``shard_for(id)``), so one worker at a time replays it.
+    A run started from a model method stores that row's model label and primary key.
+    """
+
+    ACTIVE_STATES = ("pending", "running", "sleeping", "waiting")
+
+    id = models.CharField(primary_key=True, max_length=100)
+    name = models.CharField(max_length=255, help_text="the workflow's registered name")
+    state = models.CharField(
+        max_length=10, choices=WorkflowState.choices, default=WorkflowState.PENDING
+    )
+    shard = models.PositiveSmallIntegerField()
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    model_label = models.CharField(
+        max_length=100, blank=True, default="", help_text="bound row's model (app_label.model)"
+    )
+    object_pk = models.CharField(max_length=100, blank=True, default="")
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
+    )
+    result = models.JSONField(null=True, blank=True)
+    error = models.CharField(max_length=500, blank=True, default="")
+    wait_signal = models.CharField(
+        max_length=200, blank=True, default="", help_text="signal awaited while waiting"
+    )
+    wait_seq = models.IntegerField(null=True, blank=True)
+    replays = models.PositiveIntegerField(default=0)
+    retries = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = WorkflowRunQuerySet.as_manager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["state", "name"], name="durable_wfrun_state_idx"),
+            models.Index(fields=["name", "created_at"], name="durable_wfrun_name_idx"),
+            models.Index(fields=["created_at"], name="durable_wfrun_created_idx"),
+            models.Index(fields=["model_label", "object_pk"], name="durable_wfrun_object_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.id} ({self.state})"
+
+    @property
+    def finished(self) -> bool:
+        """True once the run completed, failed or was cancelled."""
+        return self.state not in self.ACTIVE_STATES
+
+
+class WorkflowStep(models.Model):
+    """One recorded ctx call of a run, at sequence number ``seq``: the replay history.
+
+    ``kind`` and ``name`` are what replay checks for determinism; ``result`` is returned
+    on replay instead of running the call again. ``status`` is ``done``, ``failed`` (a
+    step out of attempts), ``retrying`` (a failed attempt, retry due at ``wake_ms``) or
+    ``waiting`` (a sleep, signal or child not finished; ``wake_ms`` is its deadline).
+    """
+
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="steps")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=12)
+    name = models.CharField(max_length=255)
+    status = models.CharField(max_length=10)
+    result = models.JSONField(null=True, blank=True)
+    error = models.CharField(max_length=500, blank=True, default="")
+    attempts = models.PositiveIntegerField(default=0)
+    wake_ms = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "seq"], name="durable_wfstep_run_seq_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.kind} {self.name} ({self.status})"
+
+
+class WorkflowSignal(models.Model):
+    """A signal sent to a run; kept until a ``ctx.wait_for_signal`` consumes it."""
+
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals")
+    name = models.CharField(max_length=200)
+    payload = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    consumed_seq = models.IntegerField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # The replay's lookup: the oldest unconsumed signal of that name for the run.
+            models.Index(
+                fields=["run", "name", "id"],
+                name="durable_wfsignal_open_idx",
+                condition=Q(consumed_at__isnull=True),
+            ),
+            models.Index(fields=["name", "created_at"], name="durable_wfsignal_name_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"signal {self.name} → {self.run_id}"

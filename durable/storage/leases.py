@@ -191,6 +191,7 @@ def database_now_ms(db: str) -> int | None:
     if conn.vendor != "postgresql":
         return None
     with conn.cursor() as cursor:
-        cursor.execute("SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint")
+        # floor, not the rounding of a plain ::bigint cast: never report a time not yet reached
+        cursor.execute("SELECT floor(extract(epoch from clock_timestamp()) * 1000)::bigint")
         (value,) = cursor.fetchone()
     return int(value)

@@ -398,7 +398,7 @@ class Engine:
         for _ in range(5):
             before = time.time_ns() // 1_000_000
             db_now = lease_store.database_now_ms(self.db)
-            after = time.time_ns() // 1_000_000
+            after = -(-time.time_ns() // 1_000_000)  # ceiling: keeps the offset a lower bound
             assert db_now is not None
             if best is None or after - before < best[0]:
                 best = (after - before, db_now - after)

@@ -15,6 +15,11 @@ EXPECTED = {
     "every",
     "Occurrence",
     "schedules",
+    "workflow",
+    "Workflow",
+    "WorkflowContext",
+    "send_signal",
+    "cancel_workflow",
 }
 
 

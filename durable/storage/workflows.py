@@ -1,0 +1,224 @@
+"""Queries of workflows: runs, their recorded steps, signals and wake-up timers.
+
+Everything runs on the alias it is given, inside the caller's transaction; nothing here
+commits on its own. Starting a run and sending a signal are writes in the application's
+transaction; the replay's checkpoints are transactions the replay opens (and fences)
+itself (their queries are in :mod:`durable.storage.checkpoints`). Steps travel as plain
+dicts of ``WorkflowStep`` fields, so this layer knows nothing of the replay's types.
+
+Wake-up timers are ordinary ``Timer`` rows of kind ``workflow`` whose target is the run
+id, on the run's shard, with keys ``wf:<run id>:...``: the key's unique index makes a
+duplicate wake-up collapse into the existing one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+
+from durable.conf import get_settings
+from durable.core.sharding import bucket_of
+from durable.models import (
+    Timer,
+    TimerKind,
+    TimerState,
+    WorkflowRun,
+    WorkflowSignal,
+    WorkflowState,
+    WorkflowStep,
+)
+from durable.storage.checkpoints import STEP_FIELDS
+from durable.storage.leases import ms_to_dt
+from durable.storage.timers import announce, by_keys, insert_many, insert_timer, new_timer
+
+ACTIVE = WorkflowRun.ACTIVE_STATES
+# A wake-up fails only when durable itself does (workflow errors fail the run, not the
+# timer), so it retries for hours rather than dead-lettering and stranding the run.
+WAKE_MAX_ATTEMPTS = 25
+_CHUNK = 500
+
+
+# -- runs and their wake-ups -----------------------------------------------------------
+
+
+def new_run(fields: dict[str, Any], shard: int, parent_id: str | None = None) -> WorkflowRun:
+    """An unsaved ``WorkflowRun`` from validated start fields."""
+    return WorkflowRun(shard=shard, parent_id=parent_id, state=WorkflowState.PENDING, **fields)
+
+
+def insert_run(db: str, run: WorkflowRun) -> tuple[WorkflowRun, bool]:
+    """Insert ``run``; if its id exists, return that run instead (``created`` False).
+
+    On PostgreSQL a concurrent insert of the same id waits on the primary key for the
+    first transaction's outcome, then lands here and returns the committed row.
+    """
+    existing = WorkflowRun.objects.using(db).filter(pk=run.pk).first()
+    if existing is not None:
+        return existing, False
+    try:
+        with transaction.atomic(using=db):
+            run.save(using=db, force_insert=True)
+    except IntegrityError:
+        existing = WorkflowRun.objects.using(db).filter(pk=run.pk).first()
+        if existing is None:
+            raise
+        return existing, False
+    return run, True
+
+
+def insert_runs(db: str, runs: Sequence[WorkflowRun]) -> dict[str, WorkflowRun]:
+    """Insert many runs (ids not seen yet) in one statement; return every run by id.
+
+    If another transaction inserted one of the ids meanwhile, falls back to inserting
+    one by one, so each id ends up with exactly one row.
+    """
+    try:
+        with transaction.atomic(using=db):
+            WorkflowRun.objects.using(db).bulk_create(runs, batch_size=2000)
+        return {run.pk: run for run in runs}
+    except IntegrityError:
+        return {run.pk: insert_run(db, run)[0] for run in runs}
+
+
+def runs_by_ids(db: str, ids: Iterable[str]) -> dict[str, WorkflowRun]:
+    """The existing runs among ``ids``, by id."""
+    found: dict[str, WorkflowRun] = {}
+    ids = list(ids)
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        found.update((run.pk, run) for run in WorkflowRun.objects.using(db).filter(pk__in=chunk))
+    return found
+
+
+def wake_key(run_id: str, *parts: object) -> str:
+    """The idempotency key of a wake-up: ``wf:<run id>:<part>:...``."""
+    return ":".join(["wf", run_id, *map(str, parts)])
+
+
+def wake_timer(run_id: str, shard: int, key: str, fire_at_ms: int) -> Timer:
+    """An unsaved wake-up timer for ``run_id``, due at ``fire_at_ms``."""
+    conf = get_settings()
+    return new_timer(
+        shard=shard,
+        bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+        fire_at_ms=fire_at_ms,
+        state=TimerState.PENDING,
+        kind=TimerKind.WORKFLOW,
+        target=run_id,
+        key=key,
+        max_attempts=WAKE_MAX_ATTEMPTS,
+        backoff_base_s=conf.BACKOFF_BASE_S,
+        backoff_max_s=min(conf.BACKOFF_MAX_S, 300.0),
+    )
+
+
+def ensure_wake(db: str, run_id: str, shard: int, key: str, fire_at_ms: int, now_ms: int) -> None:
+    """Make sure a pending wake-up for ``run_id`` exists under ``key`` (announced if new).
+
+    A key whose timer already fired (the run was woken early by something else and must
+    wait again) gets a fresh timer under ``<key>:r<n>``.
+    """
+    timer, created = insert_timer(db, wake_timer(run_id, shard, key, fire_at_ms))
+    suffix = 0
+    while not created and timer.state != TimerState.PENDING:
+        suffix += 1
+        timer, created = insert_timer(db, wake_timer(run_id, shard, f"{key}:r{suffix}", fire_at_ms))
+    if created:
+        announce(db, [timer], now_ms)
+
+
+def schedule_wakes(db: str, timers: Sequence[Timer], now_ms: int) -> None:
+    """Insert new wake-up timers in one statement (keys not seen before) and announce them."""
+    existing = by_keys(db, [t.key for t in timers if t.key is not None])
+    new = [t for t in timers if t.key not in existing]
+    insert_many(db, new)
+    announce(db, new, now_ms, per_shard=len(new) > 1)
+
+
+def cancel_wake(db: str, key: str, now_ms: int) -> None:
+    """Cancel the pending wake-up under ``key`` (a signal came before its timeout)."""
+    Timer.objects.using(db).filter(key=key, state=TimerState.PENDING).update(
+        state=TimerState.CANCELED, updated_at=ms_to_dt(now_ms)
+    )
+
+
+# -- operations ------------------------------------------------------------------------
+
+
+def lock_run(db: str, run_id: str) -> WorkflowRun | None:
+    """The run, locked until the end of the caller's transaction; None if unknown."""
+    return WorkflowRun.objects.using(db).select_for_update().filter(pk=run_id).first()
+
+
+def add_signal(db: str, run_id: str, name: str, payload: Any) -> WorkflowSignal:
+    """Store a signal for the run."""
+    return WorkflowSignal.objects.using(db).create(run_id=run_id, name=name, payload=payload)
+
+
+def cancel_tree(db: str, root: WorkflowRun, now_ms: int) -> list[str]:
+    """Cancel ``root`` and its unfinished descendants and their pending wake-ups.
+
+    Walks every child whatever its state, so a finished child does not shield its own
+    running children. Returns the ids cancelled, root first.
+    """
+    cancelled = [root.pk]
+    level = [root.pk]
+    seen = {root.pk}
+    while level:
+        children = list(
+            WorkflowRun.objects.using(db)
+            .select_for_update()
+            .filter(parent_id__in=level)
+            .values_list("id", "state")
+        )
+        level = [pk for pk, _ in children if pk not in seen]
+        seen.update(level)
+        cancelled += [pk for pk, state in children if state in ACTIVE]
+    when = ms_to_dt(now_ms)
+    shards: dict[int, list[str]] = {}
+    for start in range(0, len(cancelled), _CHUNK):
+        chunk = cancelled[start : start + _CHUNK]
+        runs = WorkflowRun.objects.using(db).filter(pk__in=chunk, state__in=ACTIVE)
+        for pk, shard in runs.values_list("id", "shard"):
+            shards.setdefault(shard, []).append(pk)
+        runs.update(
+            state=WorkflowState.CANCELED,
+            wait_signal="",
+            wait_seq=None,
+            finished_at=when,
+            updated_at=when,
+        )
+    for shard, ids in shards.items():
+        # The pending-timer index serves (shard, state): no scan of other shards.
+        Timer.objects.using(db).filter(
+            shard=shard, state=TimerState.PENDING, kind=TimerKind.WORKFLOW, target__in=ids
+        ).update(state=TimerState.CANCELED, updated_at=when)
+    return cancelled
+
+
+def reopen(db: str, run: WorkflowRun, now_ms: int) -> None:
+    """Put a failed run back to pending; a trailing failed step gets fresh attempts."""
+    last = WorkflowStep.objects.using(db).filter(run_id=run.pk).order_by("-seq").first()
+    if last is not None and last.status == "failed":
+        last.delete()
+    WorkflowRun.objects.using(db).filter(pk=run.pk).update(
+        state=WorkflowState.PENDING,
+        error="",
+        finished_at=None,
+        retries=F("retries") + 1,
+        updated_at=ms_to_dt(now_ms),
+    )
+
+
+def history(db: str, run_id: str) -> list[dict[str, Any]]:
+    """Every recorded step of the run, by seq."""
+    steps = WorkflowStep.objects.using(db).filter(run_id=run_id).order_by("seq")
+    return list(steps.values(*STEP_FIELDS))
+
+
+def runs(db: str) -> Any:
+    """All runs on ``db``, as a ``WorkflowRunQuerySet`` to filter further."""
+    return WorkflowRun.objects.using(db).all()

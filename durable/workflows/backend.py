@@ -1,0 +1,297 @@
+"""The worker's backend: each live ctx call is a checkpoint, one fenced transaction.
+
+A checkpoint transaction starts with :func:`durable.storage.leases.fence` (a worker that
+lost the run's shard commits nothing) and locks the run row with a conditional update
+that checks it is still running (a run cancelled meanwhile stops at its next checkpoint,
+writing nothing): before the body for waits and endings, in the same statement as the
+record for steps. ``ctx.atomic`` runs its function inside that same transaction, so its
+effects and its record commit together (exactly once). Checkpoints commit
+asynchronously on PostgreSQL; :mod:`durable.storage.checkpoints` explains why that is
+safe.
+
+Value calls (``now``, ``random``, ``uuid4``, ``patched``) and the settling of a finished
+sleep are not worth a transaction of their own: they are written with the next
+checkpoint. Nothing outside durable could have seen them in between, except a step's
+outside effects, which are at-least-once anyway; everything that commits (an atomic
+step, a suspension, the end of the run) commits with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from typing import Any
+
+from django.db import transaction
+
+from durable.conf import get_settings
+from durable.core.clock import Clock
+from durable.core.errors import sanitize_error
+from durable.core.sharding import shard_for
+from durable.exceptions import PayloadError
+from durable.models import WorkflowState
+from durable.scheduling.validation import check_json
+from durable.storage import checkpoints as cp
+from durable.storage import workflows as store
+from durable.storage.leases import fence
+from durable.workflows.records import (
+    ChildRequest,
+    Kind,
+    Record,
+    RunStopped,
+    Status,
+    StepCall,
+    Suspend,
+)
+
+log = logging.getLogger("durable.workflows")
+FINISHED = ("completed", "failed", "canceled")
+
+
+def event(level: int, name: str, **fields: Any) -> None:
+    """Log ``name key=value ...`` (the worker's structured-event format)."""
+    if log.isEnabledFor(level):
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.log(level, "%s %s", name, text, extra={"durable": {"event": name, **fields}})
+
+
+class _StepError(Exception):
+    """Carries a step function's exception out of the checkpoint it rolled back."""
+
+    def __init__(self, error: Exception, final: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.final = final
+
+
+class DatabaseBackend:
+    """Performs one run's live ctx calls against ``db`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        db: str,
+        run_id: str,
+        shard: int,
+        lease: tuple[int, int] | None,
+        clock: Clock,
+        floor_ms: int,
+        recorded: list[Record],
+        parent_id: str | None = None,
+    ) -> None:
+        self.db = db
+        self.run_id = run_id
+        self.shard = shard
+        self.lease = lease
+        self.clock = clock
+        self.floor_ms = floor_ms
+        self.parent_id = parent_id
+        self._known = {record.seq: record for record in recorded}
+        self._pending: dict[int, Record] = {}
+
+    # -- time and deferred records -------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """The clock, but never before the fire that woke us (the worker's clock is
+        the one that judged the wake-up due, so a sleep it woke is never still early)."""
+        return max(self.clock.now_ms(), self.floor_ms)
+
+    def note(self, record: Record) -> None:
+        """Keep ``record`` for the next checkpoint."""
+        self._pending[record.seq] = record
+
+    @contextmanager
+    def checkpoint(self, *, hold_first: bool = True) -> Iterator[None]:
+        """One fenced transaction that also writes the pending records.
+
+        ``hold_first`` locks the run row (writing the pending records in the same
+        statement) before the body runs, which waits and endings need: a signal sent
+        meanwhile must see the run waiting, or the wait must see the signal. Steps lock
+        it at the end, in the same statement as their record.
+        """
+        before = dict(self._pending)
+        staged: dict[int, Record] = {}
+        try:
+            with transaction.atomic(using=self.db):
+                if self.lease is not None:
+                    fence(self.db, *self.lease)
+                now = self.now_ms()
+                if hold_first:
+                    self._flush(staged, now, held=False)
+                yield
+                if self._pending or not hold_first:
+                    self._flush(staged, now, held=hold_first)
+        except BaseException:
+            self._pending = before  # what this checkpoint wrote rolled back with it
+            raise
+        self._known.update(staged)
+
+    def write(self, record: Record) -> None:
+        """Write ``record`` in the current checkpoint, with the pending ones."""
+        self._pending[record.seq] = record
+
+    def _flush(self, staged: dict[int, Record], now: int, *, held: bool) -> None:
+        """Write the pending records (locking the run first unless ``held``)."""
+        known = {**self._known, **staged}
+        ordered = sorted(self._pending.items())
+        inserts = [asdict(r) for s, r in ordered if s not in known]
+        updates = [asdict(r) for s, r in ordered if s in known and r != known[s]]
+        if not cp.commit_steps(self.db, self.run_id, inserts, updates, now, held=held):
+            raise RunStopped(f"run {self.run_id} is no longer running")
+        staged.update(self._pending)
+        self._pending.clear()
+
+    # -- steps -------------------------------------------------------------------------
+
+    def run_step(self, call: StepCall) -> Record:
+        """Run one attempt of a step; record done/failed, or schedule a retry and suspend."""
+        if call.kind == Kind.ATOMIC:
+            return self._run_atomic(call)
+        try:
+            result = call.fn(*call.args, **call.kwargs)
+        except Exception as exc:
+            return self._failed(call, exc, final=False)
+        try:
+            check_json(result, "result")
+        except PayloadError as exc:
+            return self._failed(call, exc, final=True)
+        record = _done(call, result)
+        with self.checkpoint(hold_first=False):
+            self.write(record)
+        return record
+
+    def _run_atomic(self, call: StepCall) -> Record:
+        record = _done(call, None)
+        try:
+            with self.checkpoint(hold_first=False):
+                try:
+                    with transaction.atomic(using=self.db):
+                        result = call.fn(*call.args, **call.kwargs)
+                except Exception as exc:
+                    raise _StepError(exc, final=False) from exc
+                try:
+                    check_json(result, "result")
+                except PayloadError as exc:
+                    raise _StepError(exc, final=True) from exc
+                record = replace(record, result=result)
+                self.write(record)
+        except _StepError as failure:  # the checkpoint rolled back with the step's writes
+            return self._failed(call, failure.error, final=failure.final)
+        return record
+
+    def _failed(self, call: StepCall, exc: Exception, *, final: bool) -> Record:
+        error = sanitize_error(exc)
+        fields = {"seq": call.seq, "kind": call.kind, "name": call.name, "error": error}
+        if final or call.attempt >= call.policy.max_attempts:
+            record = Record(**fields, status=Status.FAILED, attempts=call.attempt)
+            with self.checkpoint():
+                self.write(record)
+            event(logging.WARNING, "workflow.step_failed", run=self.run_id, seq=call.seq,
+                  step=call.name, attempts=call.attempt, error=error)  # fmt: skip
+            return record
+        wake = self.now_ms() + call.policy.backoff.delay_ms(call.attempt)
+        record = Record(**fields, status=Status.RETRYING, attempts=call.attempt, wake_ms=wake)
+        event(logging.INFO, "workflow.step_retry", run=self.run_id, seq=call.seq,
+              step=call.name, attempt=call.attempt, retry_at_ms=wake, error=error)  # fmt: skip
+        return self.suspend(record)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def suspend(self, record: Record) -> Record:
+        """Wait for a sleep to end or a retry to be due: record, arm the timer, let go."""
+        assert record.wake_ms is not None
+        parts: tuple[object, ...] = (record.seq,)
+        if record.status == Status.RETRYING:
+            parts = (record.seq, f"a{record.attempts}")
+        with self.checkpoint():
+            self.write(record)
+            self._wake(store.wake_key(self.run_id, *parts), record.wake_ms)
+            cp.set_state(self.db, self.run_id, WorkflowState.SLEEPING)
+        raise Suspend(f"run {self.run_id} sleeps until {record.wake_ms} (seq {record.seq})")
+
+    def wait_signal(self, seq: int, name: str, deadline_ms: int | None) -> Record:
+        """Take signal ``name``, time out, or record the wait and suspend."""
+        key = store.wake_key(self.run_id, seq)
+        now = self.now_ms()
+        record = Record(seq=seq, kind=Kind.SIGNAL, name=name, wake_ms=deadline_ms)
+        with self.checkpoint():
+            found, payload = cp.take_signal(self.db, self.run_id, name, seq, now)
+            if found:
+                record = replace(record, result={"payload": payload})
+                if deadline_ms is not None:
+                    store.cancel_wake(self.db, key, now)
+            elif deadline_ms is not None and now >= deadline_ms:
+                record = replace(record, result={"timeout": True})
+            else:
+                record = replace(record, status=Status.WAITING)
+                if deadline_ms is not None:
+                    self._wake(key, deadline_ms)
+                cp.set_state(
+                    self.db, self.run_id, WorkflowState.WAITING, wait_signal=name, wait_seq=seq
+                )
+            self.write(record)
+        if record.status == Status.WAITING:
+            raise Suspend(f"run {self.run_id} waits for signal {name!r} (seq {seq})")
+        return record
+
+    def start_child(self, seq: int, request: ChildRequest) -> Record:
+        """Create the child run and its start timer (idempotently); record its id."""
+        result: dict[str, Any] = {"run_id": request.run_id}
+        with self.checkpoint():
+            fields = asdict(request)
+            fields["id"] = fields.pop("run_id")
+            child = store.new_run(fields, shard_for(request.run_id, _shards()), self.run_id)
+            child, created = store.insert_run(self.db, child)
+            if created:
+                key = store.wake_key(child.pk, "start")
+                now = self.now_ms()
+                store.ensure_wake(self.db, child.pk, child.shard, key, now, now)
+            elif child.parent_id != self.run_id:
+                result["error"] = f"run id {child.pk!r} is taken by a run that is not a child"
+            record = Record(seq=seq, kind=Kind.CHILD, name=request.name, result=result)
+            self.write(record)
+        return record
+
+    def wait_child(self, seq: int, run_id: str) -> Record:
+        """Record the child's outcome if it finished; otherwise record the wait and suspend."""
+        record = Record(seq=seq, kind=Kind.WAIT_CHILD, name=run_id)
+        with self.checkpoint():
+            child = cp.child_outcome(self.db, run_id)
+            if child is None:
+                record = replace(record, result={"state": "missing", "error": "no such run"})
+            elif child["state"] in FINISHED:
+                record = replace(record, result=child)
+            else:
+                record = replace(record, status=Status.WAITING)
+                cp.set_state(self.db, self.run_id, WorkflowState.WAITING, wait_seq=seq)
+            self.write(record)
+        if record.status == Status.WAITING:
+            raise Suspend(f"run {self.run_id} waits for child {run_id} (seq {seq})")
+        return record
+
+    # -- the end -----------------------------------------------------------------------
+
+    def finish(self, state: str, result: Any = None, error: str = "") -> None:
+        """Record the run's end and wake its parent, if it has one."""
+        with self.checkpoint():
+            now = self.now_ms()
+            cp.finish(self.db, self.run_id, state, result, error, now)
+            parent = self.parent_id
+            if parent is not None:
+                key = store.wake_key(parent, "child", self.run_id)
+                store.ensure_wake(self.db, parent, shard_for(parent, _shards()), key, now, now)
+
+    def _wake(self, key: str, fire_at_ms: int) -> None:
+        store.ensure_wake(self.db, self.run_id, self.shard, key, fire_at_ms, self.now_ms())
+
+
+def _done(call: StepCall, result: Any) -> Record:
+    return Record(
+        seq=call.seq, kind=call.kind, name=call.name, result=result, attempts=call.attempt
+    )
+
+
+def _shards() -> int:
+    return get_settings().SHARDS

@@ -1,0 +1,139 @@
+"""Operating on runs from application code: signal, cancel, retry, read, list.
+
+Each call writes in the caller's transaction on ``DURABLE["DATABASE"]`` (it never
+commits on its own) and locks the run row first, which orders it against the replay's
+checkpoints: a signal sent while the run is being replayed is either seen by its wait,
+or wakes the run once the wait is recorded; a run cancelled mid-replay stops at its
+next checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from durable.apps import current_clock
+from durable.conf import get_settings
+from durable.core.sharding import shard_for
+from durable.exceptions import UnknownWorkflow, WorkflowError
+from durable.models import WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
+from durable.scheduling.validation import check_json
+from durable.storage import workflows as store
+from durable.workflows.calls import check_signal
+
+
+def _run_id(run: WorkflowRun | str) -> str:
+    if isinstance(run, WorkflowRun):
+        return str(run.pk)
+    if not isinstance(run, str):
+        raise TypeError(f"run_id: expected a run id or a WorkflowRun, got {type(run).__name__}")
+    return run
+
+
+def _locked(db: str, run_id: str) -> WorkflowRun:
+    run = store.lock_run(db, run_id)
+    if run is None:
+        raise UnknownWorkflow(f"no workflow run with id {run_id!r}", run_id=run_id)
+    return run
+
+
+def send_signal(run_id: WorkflowRun | str, name: str, payload: Any = None) -> WorkflowSignal:
+    """Send signal ``name`` with a JSON ``payload`` to a run; kept until a wait takes it.
+
+    Written in the caller's transaction (atomic with it). Raises
+    :class:`~durable.exceptions.UnknownWorkflow` for an unknown run and
+    :class:`~durable.exceptions.WorkflowError` for a finished one.
+    """
+    run_id = _run_id(run_id)
+    check_signal(name)
+    check_json(payload, "payload")
+    db = get_settings().DATABASE
+    now_ms = current_clock().now_ms()
+    with transaction.atomic(using=db, savepoint=False):
+        run = _locked(db, run_id)
+        if run.finished:
+            raise WorkflowError(
+                f"run {run_id} is {run.state}; it takes no more signals", run_id=run_id
+            )
+        signal = store.add_signal(db, run_id, name, payload)
+        if run.state == WorkflowState.WAITING and run.wait_signal == name:
+            key = store.wake_key(run_id, run.wait_seq, "signal")
+            store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms)
+    return signal
+
+
+def cancel_workflow(run_id: WorkflowRun | str) -> bool:
+    """Cancel a run, its unfinished child runs (recursively) and their pending timers.
+
+    True if this call cancelled it; False if it had already finished. A run being
+    replayed stops at its next checkpoint (a step already running finishes, but its
+    result is not recorded). The parent of a cancelled child is woken, and its
+    ``ctx.wait_child`` raises ``ChildWorkflowFailed``.
+    """
+    run_id = _run_id(run_id)
+    conf = get_settings()
+    db = conf.DATABASE
+    now_ms = current_clock().now_ms()
+    with transaction.atomic(using=db, savepoint=False):
+        run = _locked(db, run_id)
+        if run.finished:
+            return False
+        store.cancel_tree(db, run, now_ms)
+        if run.parent_id is not None:
+            key = store.wake_key(run.parent_id, "child", run_id)
+            parent_shard = shard_for(run.parent_id, conf.SHARDS)
+            store.ensure_wake(db, run.parent_id, parent_shard, key, now_ms, now_ms)
+    return True
+
+
+def retry(run_id: WorkflowRun | str) -> WorkflowRun:
+    """Run a failed run again from its last checkpoint; return it (now pending).
+
+    Recorded steps are not run again. A step that had used up its attempts (the last
+    record) is dropped, so it gets a fresh set of attempts. Raises
+    :class:`~durable.exceptions.WorkflowError` unless the run failed.
+    """
+    run_id = _run_id(run_id)
+    db = get_settings().DATABASE
+    now_ms = current_clock().now_ms()
+    with transaction.atomic(using=db, savepoint=False):
+        run = _locked(db, run_id)
+        if run.state != WorkflowState.FAILED:
+            raise WorkflowError(
+                f"only failed runs can be retried; run {run_id} is {run.state}", run_id=run_id
+            )
+        store.reopen(db, run, now_ms)
+        key = store.wake_key(run_id, "retry", run.retries + 1)
+        store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms)
+        run.refresh_from_db(using=db)
+    return run
+
+
+def get_result(run_id: WorkflowRun | str) -> Any:
+    """The result of a completed run.
+
+    Raises :class:`~durable.exceptions.WorkflowError` (with ``state`` and ``error``
+    attributes) if the run failed, was cancelled or has not finished, and
+    :class:`~durable.exceptions.UnknownWorkflow` if there is no such run.
+    """
+    run_id = _run_id(run_id)
+    fields = ("state", "result", "error")
+    row = runs().filter(pk=run_id).values(*fields).first()
+    if row is None:
+        raise UnknownWorkflow(f"no workflow run with id {run_id!r}", run_id=run_id)
+    if row["state"] != WorkflowState.COMPLETED:
+        detail = f": {row['error']}" if row["error"] else ""
+        raise WorkflowError(
+            f"run {run_id} is {row['state']}{detail}",
+            run_id=run_id,
+            state=row["state"],
+            error=row["error"],
+        )
+    return row["result"]
+
+
+def runs() -> WorkflowRunQuerySet:
+    """Every run on ``DURABLE["DATABASE"]``, to filter: ``runs().active().named(wf)``."""
+    queryset: WorkflowRunQuerySet = store.runs(get_settings().DATABASE)
+    return queryset

@@ -1,0 +1,182 @@
+"""The vocabulary of replay: history records, call kinds, interrupts and the backend seam.
+
+A run's history is a list of :class:`Record`, one per ctx call, numbered by ``seq`` in
+the order the workflow code makes them. :class:`~durable.workflows.context.WorkflowContext`
+matches each call against the record at its seq and asks a :class:`Backend` to perform
+the calls that are not recorded yet. The worker's backend writes to the database; the
+golden-history replayer's backend refuses to do anything live; the in-memory backend
+(tests) simulates both. This module is pure: no Django, no ORM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from durable.core.backoff import Backoff
+
+
+class Kind:
+    """What a ctx call was; recorded and checked on replay."""
+
+    STEP = "step"
+    ATOMIC = "atomic"
+    SLEEP = "sleep"
+    SIGNAL = "signal"
+    CHILD = "child"
+    WAIT_CHILD = "wait_child"
+    NOW = "now"
+    RANDOM = "random"
+    UUID = "uuid4"
+    PATCHED = "patched"
+
+
+class Status:
+    """Where a recorded call stands."""
+
+    DONE = "done"
+    FAILED = "failed"  # a step out of attempts: replays as StepFailed
+    RETRYING = "retrying"  # a step attempt failed; the next is due at wake_ms
+    WAITING = "waiting"  # a sleep, signal wait or child wait not over yet
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Record:
+    """One recorded ctx call: the unit of a run's history."""
+
+    seq: int
+    kind: str
+    name: str
+    status: str = Status.DONE
+    result: Any = None
+    error: str = ""
+    attempts: int = 0
+    wake_ms: int | None = None
+    """Sleep end, signal-wait deadline, or when a retrying step's next attempt is due."""
+
+    def to_json(self) -> dict[str, Any]:
+        """This record as a JSON-ready dict (the golden history file format)."""
+        data: dict[str, Any] = {"seq": self.seq, "kind": self.kind, "name": self.name}
+        data["status"] = self.status
+        data["result"] = self.result
+        if self.error:
+            data["error"] = self.error
+        if self.attempts:
+            data["attempts"] = self.attempts
+        if self.wake_ms is not None:
+            data["wake_ms"] = self.wake_ms
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        """Build a record from :meth:`to_json`'s output."""
+        return cls(
+            seq=int(data["seq"]),
+            kind=str(data["kind"]),
+            name=str(data["name"]),
+            status=str(data.get("status", Status.DONE)),
+            result=data.get("result"),
+            error=str(data.get("error", "")),
+            attempts=int(data.get("attempts", 0)),
+            wake_ms=data.get("wake_ms"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPolicy:
+    """How a step is retried: attempts before ``StepFailed`` and the backoff between them."""
+
+    max_attempts: int = 5
+    backoff: Backoff = field(default_factory=Backoff)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCall:
+    """A step the backend must run now (``ctx.step`` or ``ctx.atomic``)."""
+
+    seq: int
+    kind: str
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    policy: StepPolicy
+    attempt: int
+    """1 for the first attempt."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildRequest:
+    """A child run to create, validated by the context before the backend sees it."""
+
+    run_id: str
+    name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    model_label: str = ""
+    object_pk: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildHandle:
+    """What ``ctx.start_child`` returns: pass it to ``ctx.wait_child``."""
+
+    run_id: str
+
+
+class Interrupt(BaseException):
+    """Stops workflow code at a ctx call; a BaseException so ``except Exception`` misses it."""
+
+
+class Suspend(Interrupt):
+    """The run waits (sleep, signal, child, step retry); the worker lets go of it."""
+
+
+class RunStopped(Interrupt):
+    """The run was cancelled or finished elsewhere while replaying: write nothing more."""
+
+
+class Abort(Interrupt):
+    """Durable's own machinery failed (database, lease); re-raised as the original error."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Backend(Protocol):
+    """Performs the ctx calls that are not recorded yet, and says what time it is.
+
+    Each method returns the record that now stands at ``seq`` or raises
+    :class:`Suspend` after durably arranging to be woken. Errors of the user's step
+    functions are part of the record (retry or failure), never raised from here.
+    """
+
+    def now_ms(self) -> int:
+        """The current time (epoch ms) as this replay sees it."""
+        ...
+
+    def note(self, record: Record) -> None:
+        """Record a value call (now, random, uuid4, patched) or settle a finished wait."""
+        ...
+
+    def run_step(self, call: StepCall) -> Record:
+        """Run a step attempt; return its done/failed record or suspend for a retry."""
+        ...
+
+    def suspend(self, record: Record) -> Record:
+        """Wait for ``record`` (a new or unfinished sleep, or a retry not due yet)."""
+        ...
+
+    def wait_signal(self, seq: int, name: str, deadline_ms: int | None) -> Record:
+        """Take signal ``name`` (done), time out (done, result None) or suspend."""
+        ...
+
+    def start_child(self, seq: int, request: ChildRequest) -> Record:
+        """Create the child run (idempotently) and record its id."""
+        ...
+
+    def wait_child(self, seq: int, run_id: str) -> Record:
+        """Record the child's outcome once it finished, or suspend until it does."""
+        ...

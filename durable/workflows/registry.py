@@ -1,0 +1,358 @@
+"""Declaring workflows: ``@durable.workflow``, ``durable.Workflow`` and the registry.
+
+Three shapes, one :class:`WorkflowDef` each, registered under a dotted name
+(``"<module>.<qualname>"`` unless ``name=`` is given) that the run row stores:
+
+- a module-level function ``fn(ctx, ...)``: ``fn.start(...)``;
+- a method of a Django model ``def process(self, ctx, ...)``: ``order.process.start(...)``
+  binds the run to that row (model label + primary key), and each replay loads the row
+  afresh as ``self``;
+- a ``durable.Workflow`` subclass with ``run(self, ctx, ...)``: ``Checkout.start(...)``.
+
+Everything a start needs is checked when it is called, before any write: the arguments
+must bind to the code's signature and be JSON (the error names the path), the bound row
+must be saved, the run id well formed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, overload
+
+from django.db import models
+
+from durable.conf import get_settings
+from durable.core.backoff import Backoff
+from durable.exceptions import UnknownWorkflow
+from durable.scheduling.validation import check_max_attempts, to_backoff
+from durable.workflows.records import StepPolicy
+
+if TYPE_CHECKING:
+    from durable.models import WorkflowRun
+
+FUNCTION, METHOD, CLASS = "function", "method", "class"
+
+
+class WorkflowDef:
+    """A registered workflow: its name, code, shape and step retry policy.
+
+    ``@durable.workflow`` returns one. On a model it is a descriptor: ``Order.process``
+    is the definition, ``order.process`` a :class:`BoundWorkflow` for that row.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        shape: str,
+        strict: bool,
+        max_attempts: int | None,
+        backoff: Backoff | None,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.shape = shape
+        self.strict = strict
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.model: type[models.Model] | None = None
+        self.owner: type | None = None
+        self.signature = inspect.signature(fn)
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self) -> str:
+        return f"<workflow {self.name} ({self.shape})>"
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        if not (isinstance(owner, type) and issubclass(owner, models.Model)):
+            raise TypeError(
+                f"@durable.workflow on {owner.__name__}.{attr}: methods can be workflows "
+                "only on Django models (the run is bound to a saved row)"
+            )
+        self.shape = METHOD
+        self.model = owner
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> WorkflowDef: ...
+    @overload
+    def __get__(self, instance: models.Model, owner: type | None = None) -> BoundWorkflow: ...
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return BoundWorkflow(self, instance)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.name} is a durable workflow: start it with .start(...)")
+
+    def policy(self) -> StepPolicy:
+        """The step retry policy: this workflow's options over the settings."""
+        conf = get_settings()
+        return StepPolicy(
+            max_attempts=self.max_attempts or conf.MAX_ATTEMPTS,
+            backoff=self.backoff or Backoff(base_s=conf.BACKOFF_BASE_S, max_s=conf.BACKOFF_MAX_S),
+        )
+
+    def invoke(self, ctx: Any, instance: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """Call the workflow code (the executor's entry point)."""
+        if self.shape == FUNCTION:
+            return self.fn(ctx, *args, **kwargs)
+        if self.shape == CLASS:
+            assert self.owner is not None
+            instance = self.owner()
+        return self.fn(instance, ctx, *args, **kwargs)
+
+    def check_call(self, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise ``TypeError`` if ``args``/``kwargs`` do not fit the code's signature."""
+        leading: tuple[Any, ...] = (None,) if self.shape == FUNCTION else (instance, None)
+        try:
+            self.signature.bind(*leading, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+
+    def start(self, *args: Any, run_id: str | None = None, **kwargs: Any) -> WorkflowRun:
+        """Start a run in the caller's transaction and return its ``WorkflowRun``.
+
+        ``run_id`` makes the start idempotent: if a run with that id exists it is
+        returned unchanged and nothing is written.
+        """
+        if self.shape == METHOD:
+            raise TypeError(
+                f"{self.name} is bound to a model row: start it from a saved instance, "
+                f"e.g. instance.{self.__name__}.start(...)"
+            )
+        from durable.workflows.start import start_run
+
+        return start_run(self, None, args, kwargs, run_id)
+
+    def start_many(self, calls: Iterable[dict[str, Any]]) -> list[WorkflowRun]:
+        """Start many runs with one INSERT for the runs and one for their timers.
+
+        Each call is a dict with optional ``args``, ``kwargs``, ``run_id`` and, for a
+        model-method workflow, ``instance``. Runs are returned in input order; a
+        ``run_id`` that exists returns the existing run.
+        """
+        from durable.workflows.start import start_many
+
+        return start_many(self, calls)
+
+
+class BoundWorkflow:
+    """A model-method workflow bound to one row: ``order.process``."""
+
+    __slots__ = ("definition", "instance")
+
+    def __init__(self, definition: WorkflowDef, instance: models.Model) -> None:
+        self.definition = definition
+        self.instance = instance
+
+    def __repr__(self) -> str:
+        return f"<workflow {self.definition.name} of {self.instance!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.definition.name} is a durable workflow: use .start(...)")
+
+    def start(self, *args: Any, run_id: str | None = None, **kwargs: Any) -> WorkflowRun:
+        """Start a run bound to this row (which must be saved); see :meth:`WorkflowDef.start`."""
+        from durable.workflows.start import start_run
+
+        return start_run(self.definition, self.instance, args, kwargs, run_id)
+
+
+class Workflow:
+    """Base class for workflows written as classes: define ``run(self, ctx, ...)``.
+
+    Class attributes set options: ``name`` (registered name), ``strict``,
+    ``max_attempts`` and ``backoff`` (step retries). A fresh instance runs each replay,
+    so keep state in ctx calls' results, not on ``self``. Pass ``abstract=True`` in the
+    class statement for a base class that is not a workflow itself.
+    """
+
+    name: ClassVar[str | None] = None
+    strict: ClassVar[bool] = False
+    max_attempts: ClassVar[int | None] = None
+    backoff: ClassVar[Backoff | timedelta | None] = None
+    definition: ClassVar[WorkflowDef]
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if abstract:
+            return
+        if cls.run is Workflow.run:
+            raise TypeError(f"{cls.__qualname__} must define run(self, ctx, ...)")
+        definition = _declare(
+            cls.run,
+            name=cls.__dict__.get("name") or _dotted(cls),
+            shape=CLASS,
+            strict=cls.strict,
+            max_attempts=cls.max_attempts,
+            backoff=cls.backoff,
+        )
+        definition.owner = cls
+        cls.definition = definition
+        cls.name = definition.name
+
+    def run(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        """The workflow's code; subclasses define it (checked at class creation)."""
+        raise NotImplementedError
+
+    @classmethod
+    def start(cls, *args: Any, run_id: str | None = None, **kwargs: Any) -> WorkflowRun:
+        """Start a run of this workflow; see :meth:`WorkflowDef.start`."""
+        return cls.definition.start(*args, run_id=run_id, **kwargs)
+
+    @classmethod
+    def start_many(cls, calls: Iterable[dict[str, Any]]) -> list[WorkflowRun]:
+        """Start many runs at once; see :meth:`WorkflowDef.start_many`."""
+        return cls.definition.start_many(calls)
+
+
+@overload
+def workflow(fn: Callable[..., Any], /) -> WorkflowDef: ...
+@overload
+def workflow(
+    *,
+    name: str | None = None,
+    strict: bool = False,
+    max_attempts: int | None = None,
+    backoff: Backoff | timedelta | None = None,
+) -> Callable[[Callable[..., Any]], WorkflowDef]: ...
+def workflow(
+    fn: Any = None,
+    /,
+    *,
+    name: str | None = None,
+    strict: bool = False,
+    max_attempts: int | None = None,
+    backoff: Backoff | timedelta | None = None,
+) -> Any:
+    """Declare a durable workflow: a module-level function ``fn(ctx, ...)`` or a model method.
+
+    Use bare (``@durable.workflow``) or with options: ``name`` (the registered name;
+    default ``"<module>.<qualname>"``), ``strict`` (wall-clock time and randomness raise
+    in the workflow code), ``max_attempts`` and ``backoff`` (default retry policy of its
+    steps). Returns a :class:`WorkflowDef`; start runs with ``.start(...)``.
+    """
+
+    def register(func: Callable[..., Any]) -> WorkflowDef:
+        return _declare(
+            func,
+            name=name,
+            shape=METHOD if _looks_like_method(func) else FUNCTION,
+            strict=strict,
+            max_attempts=max_attempts,
+            backoff=backoff,
+        )
+
+    return register if fn is None else register(fn)
+
+
+def _declare(
+    fn: Any, *, name: str | None, shape: str, strict: Any, max_attempts: Any, backoff: Any
+) -> WorkflowDef:
+    if not inspect.isfunction(fn):
+        raise TypeError(
+            f"@durable.workflow decorates functions and model methods, got {fn!r} "
+            "(did you mean @durable.workflow(...) with keyword arguments?)"
+        )
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn):
+        raise TypeError(f"workflow {fn.__qualname__!r} must be a plain (sync) function")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict: expected True or False, got {type(strict).__name__}")
+    check_max_attempts(max_attempts)
+    policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
+    if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
+        raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
+    wanted = 1 if shape == FUNCTION else 2
+    positional = [p for p in inspect.signature(fn).parameters.values() if p.kind in _POSITIONAL]
+    if len(positional) < wanted:
+        needs = "ctx" if shape == FUNCTION else "self, ctx"
+        raise TypeError(f"workflow {fn.__qualname__!r} must take ({needs}, ...)")
+    definition = WorkflowDef(
+        fn,
+        name=name or _dotted(fn),
+        shape=shape,
+        strict=strict,
+        max_attempts=max_attempts,
+        backoff=policy,
+    )
+    return workflows.register(definition)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _looks_like_method(fn: Any) -> bool:
+    # Decided again for sure by __set_name__; this only picks the argument check.
+    qualname = fn.__qualname__
+    return "." in qualname and not qualname.endswith(f"<locals>.{fn.__name__}")
+
+
+def _dotted(obj: Any) -> str:
+    qualname = obj.__qualname__
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"workflow {qualname!r} is not importable by name: define it at module level "
+            "(or in a model class), or give it a name= and import its module at start-up"
+        )
+    return f"{obj.__module__}.{qualname}"
+
+
+class WorkflowRegistry:
+    """Registered name → :class:`WorkflowDef`. Thread-safe; resolving imports lazily."""
+
+    def __init__(self) -> None:
+        self._defs: dict[str, WorkflowDef] = {}
+        self._lock = threading.Lock()
+
+    def register(self, definition: WorkflowDef) -> WorkflowDef:
+        """Add ``definition``; registering a name again replaces it (module reloads)."""
+        with self._lock:
+            self._defs[definition.name] = definition
+        return definition
+
+    def get(self, name: str) -> WorkflowDef | None:
+        """The definition registered under ``name``, or ``None`` (no import attempted)."""
+        return self._defs.get(name)
+
+    def resolve(self, name: str) -> WorkflowDef:
+        """The definition for ``name``, importing its module if needed.
+
+        Raises :class:`UnknownWorkflow` naming the workflow (and the import error, if
+        its module failed to import) when there is none.
+        """
+        found = self._defs.get(name)
+        if found is not None:
+            return found
+        problem = ""
+        module_name = name
+        while "." in module_name:
+            module_name = module_name.rsplit(".", 1)[0]
+            try:
+                importlib.import_module(module_name)
+            except ModuleNotFoundError:
+                continue
+            except Exception as exc:  # the module exists and is broken: say so
+                problem = f"; importing {module_name} failed: {type(exc).__name__}: {exc}"
+            break
+        found = self._defs.get(name)
+        if found is None:
+            raise UnknownWorkflow(
+                f"unknown workflow {name!r}: no @durable.workflow is registered under "
+                f"that name (was it renamed or removed?){problem}",
+                workflow=name,
+            )
+        return found
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        return sorted(self._defs)
+
+
+#: Filled by the decorators at import time, read by the worker (like ``admin.site``).
+workflows = WorkflowRegistry()

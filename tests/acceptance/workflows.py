@@ -1,0 +1,79 @@
+"""Workflows only the acceptance tests run; worker processes import them by dotted name."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import durable
+from testproject.demo.models import FireRecord
+
+
+def wall_ms() -> int:
+    """The real clock (the workers' clock), in epoch ms."""
+    return time.time_ns() // 1_000_000
+
+
+def slow_outside(key: str, marker: str, seconds: float) -> str:
+    """An outside step: its row commits at once; the first run then lingers ``seconds``."""
+    FireRecord.objects.create(key=key, fired_at_ms=wall_ms())
+    if not Path(marker).exists():
+        Path(marker).write_text(key)
+        time.sleep(seconds)
+    return key
+
+
+def slow_atomic(key: str, marker: str, seconds: float) -> str:
+    """An atomic step's function: its row commits with the step's record, or never."""
+    FireRecord.objects.create(key=key, fired_at_ms=wall_ms())
+    if not Path(marker).exists():
+        Path(marker).write_text(key)
+        time.sleep(seconds)
+    return key
+
+
+def record(key: str, due_ms: int | None = None) -> str:
+    """Write one row for ``key``, stamped with the real time (and when it was due)."""
+    FireRecord.objects.create(key=key, fired_at_ms=wall_ms(), due_at_ms=due_ms)
+    return key
+
+
+@durable.workflow
+def crash_in_outside_step(ctx, key, marker, seconds):
+    """An outside step the worker is killed in, then a last atomic step."""
+    ctx.step(slow_outside, key, marker, seconds)
+    ctx.atomic(record, f"{key}:after")
+    return "done"
+
+
+@durable.workflow
+def crash_in_atomic_step(ctx, key, marker, seconds):
+    """An atomic step the worker is killed in, then a last atomic step."""
+    ctx.atomic(slow_atomic, key, marker, seconds)
+    ctx.atomic(record, f"{key}:after")
+    return "done"
+
+
+@durable.workflow
+def sleep_then_record(ctx, key, seconds):
+    """Sleep on the real clock, then record when it woke up and when it was due."""
+    started = ctx.now()
+    ctx.sleep(timedelta(seconds=seconds))
+    due_ms = int(started.timestamp() * 1000) + int(seconds * 1000)
+    ctx.atomic(record, key, due_ms)
+    return due_ms
+
+
+def double(value: int) -> int:
+    """A cheap outside step."""
+    return value * 2
+
+
+@durable.workflow
+def three_steps(ctx, index):
+    """Two outside steps and an atomic one that records ``w<index>`` exactly once."""
+    value = ctx.step(double, index)
+    value = ctx.step(double, value)
+    ctx.atomic(record, f"w{index}")
+    return value

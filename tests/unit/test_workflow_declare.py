@@ -1,0 +1,128 @@
+"""Declaring workflows: shapes, names, and errors at declaration and start time."""
+
+from __future__ import annotations
+
+import pytest
+
+import durable
+from durable.exceptions import PayloadError, UnknownWorkflow, WorkflowError
+from durable.workflows import Workflow, workflows
+from durable.workflows.registry import CLASS, FUNCTION, METHOD, WorkflowDef
+from testproject.demo.models import Order
+
+
+@durable.workflow
+def plain(ctx, order_id: int, *, express: bool = False):
+    return order_id
+
+
+class Checkout(Workflow):
+    max_attempts = 2
+
+    def run(self, ctx, cart):
+        return cart
+
+
+class Base(Workflow, abstract=True):
+    def helper(self):
+        return 1
+
+
+def test_the_three_shapes_register_under_dotted_names():
+    assert isinstance(plain, WorkflowDef) and plain.shape == FUNCTION
+    assert plain.name == "tests.unit.test_workflow_declare.plain"
+    assert workflows.resolve(plain.name) is plain
+    assert Checkout.definition.shape == CLASS and Checkout.name.endswith(".Checkout")
+    assert Checkout.definition.policy().max_attempts == 2
+    assert Order.fulfil.shape == METHOD and Order.fulfil.model is Order
+    assert Order.fulfil.name == "testproject.demo.models.Order.fulfil"
+    assert plain.__doc__ is None and Order.fulfil.__doc__.startswith("Reserve, charge")
+    assert not hasattr(Base, "definition")
+
+
+def test_calling_a_workflow_directly_says_how_to_start_it():
+    with pytest.raises(TypeError, match=r"start it with \.start"):
+        plain(None, 1)
+    with pytest.raises(TypeError, match=r"use \.start"):
+        Order(pk=1).fulfil()
+
+
+@pytest.mark.parametrize(
+    ("decorate", "message"),
+    [
+        (lambda: durable.workflow(lambda ctx: 1), "not importable by name"),
+        (lambda: durable.workflow(print), "decorates functions"),
+        (lambda: durable.workflow(max_attempts=0)(plain.fn), "max_attempts"),
+        (lambda: durable.workflow(strict="yes")(plain.fn), "strict"),
+        (lambda: durable.workflow(name="")(plain.fn), "name"),
+    ],
+)
+def test_bad_declarations_fail_at_once(decorate, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        decorate()
+
+
+def test_bad_function_shapes_fail_at_once():
+    async def coroutine(ctx):
+        return 1
+
+    def generator(ctx):
+        yield 1
+
+    def no_ctx():
+        return 1
+
+    for fn, message in ((coroutine, "plain"), (generator, "plain"), (no_ctx, r"\(ctx, ...\)")):
+        with pytest.raises(TypeError, match=message):
+            durable.workflow(name=f"x.{fn.__name__}")(fn)
+    with pytest.raises(TypeError, match=r"must define run"):
+
+        class NoRun(Workflow):
+            pass
+
+
+def test_a_method_workflow_needs_a_model():
+    with pytest.raises((TypeError, RuntimeError)) as info:
+
+        class NotAModel:
+            @durable.workflow(name="tests.not_a_model.process")
+            def process(self, ctx):
+                return 1
+
+    error = info.value if isinstance(info.value, TypeError) else info.value.__cause__
+    assert "only on Django models" in str(error)
+
+
+def test_start_checks_everything_before_writing():
+    with pytest.raises(TypeError, match=r"from a saved instance"):
+        Order.fulfil.start()
+    with pytest.raises(WorkflowError, match=r"Order is not saved"):
+        Order(customer="a", total_cents=1).fulfil.start()
+    with pytest.raises(WorkflowError, match=r"not saved"):
+        Order(pk=5, customer="a", total_cents=1).fulfil.start()
+    with pytest.raises(TypeError, match=r"plain: missing a required argument: 'order_id'"):
+        plain.start()
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'fast'"):
+        plain.start(1, fast=True)
+    with pytest.raises(PayloadError, match=r"args\[0\]\['when'\]: object is not JSON"):
+        plain.start({"when": object()})
+    for bad in ("", "a:b", "has space", "x" * 101, 7):
+        with pytest.raises((ValueError, TypeError), match="run_id"):
+            plain.start(1, run_id=bad)
+
+
+def test_an_unknown_or_broken_workflow_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(UnknownWorkflow, match=r"unknown workflow 'nowhere\.gone'.*renamed"):
+        workflows.resolve("nowhere.gone")
+    (tmp_path / "wf_broken_module.py").write_text("raise RuntimeError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownWorkflow, match=r"importing wf_broken_module failed: RuntimeErr"):
+        workflows.resolve("wf_broken_module.flow")
+
+
+def test_a_bound_workflow_knows_its_row():
+    # (No model is declared in this module: makemigrations --check would see it.)
+    order = Order(pk=3)
+    bound = order.fulfil
+    assert bound.definition is Order.fulfil and bound.instance is order
+    assert "Order.fulfil" in repr(bound)
