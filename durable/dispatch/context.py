@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +32,9 @@ class FireContext:
     token: int | None = None
     """The lease token the worker held when it took the timer: code that commits its own
     transactions (workflow replay) passes it to ``durable.storage.leases.fence``."""
+    metrics: Any = field(default=None, repr=False, compare=False)
+    """The worker's :class:`durable.metrics.WorkerMetrics`, for code that times its own
+    work (workflow steps); ``None`` outside a worker."""
 
     @property
     def idempotency_key(self) -> str:

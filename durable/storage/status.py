@@ -12,7 +12,7 @@ from typing import Any
 
 from django.db.models import Count
 
-from durable.models import ShardLease, Timer, TimerState, WorkerNode
+from durable.models import ShardLease, Timer, TimerState, WorkerNode, WorkflowRun
 from durable.storage.leases import ms_to_dt
 
 
@@ -104,3 +104,9 @@ def recent_fires(db: str, now_ms: int, window_s: int = 60, sample: int = 5000) -
         "per_s": round(count / window_s, 1),
         "lateness_ms": {"p50": pct(0.50), "p99": pct(0.99), "max": late[-1] if late else None},
     }
+
+
+def workflow_runs_by_state(db: str) -> dict[str, int]:
+    """Workflow runs per state (grouped over the state index)."""
+    rows = WorkflowRun.objects.using(db).values("state").annotate(n=Count("pk"))
+    return dict(rows.values_list("state", "n"))

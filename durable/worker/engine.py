@@ -89,6 +89,7 @@ class Engine:
         self.clock = clock or SystemClock()
         self.stop_event = threading.Event()
         self.inbox: queue.SimpleQueue[Readd] = queue.SimpleQueue()
+        self.metrics = metrics or WorkerMetrics()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="durable")
         self.firer = Firer(
             db=self.db,
@@ -98,6 +99,7 @@ class Engine:
             executor=self.executor,
             inbox=self.inbox,
             resolvers={**kinds.resolvers(), "handler": registry.resolve},
+            metrics=self.metrics,
         )
         self.keeper = LeaseKeeper(
             db=self.db,
@@ -108,7 +110,6 @@ class Engine:
         self.listener = Listener(self.db, self.stop_event)
         self.runners: dict[int, ShardRunner] = {}
         self.stats = Stats()
-        self.metrics = metrics or WorkerMetrics()
         self._next_sample_ms = 0
         self._next_db_sample_ms = 0
         # Renewal may also run between batches of a long turn; rebalancing (taking and
@@ -343,6 +344,7 @@ class Engine:
         try:
             counts = status_store.pending_by_shard(self.db)
             self.metrics.set_db_pending({s: counts.get(s, 0) for s in shards})
+            self.metrics.set_workflow_runs(status_store.workflow_runs_by_state(self.db))
         except DatabaseError as exc:
             event(log, logging.WARNING, "metrics.sample_failed", error=exc)
         finally:

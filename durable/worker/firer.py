@@ -35,6 +35,7 @@ from durable.core.errors import sanitize_error
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
 from durable.exceptions import LeaseLost
+from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
 from durable.storage.leases import fence
 from durable.worker.logs import event
@@ -80,6 +81,7 @@ class Firer:
         executor: Executor,
         inbox: queue.SimpleQueue[Readd],
         resolvers: dict[str, Callable[[str], HandlerSpec]] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.db = db
         self.conf = conf
@@ -87,6 +89,7 @@ class Firer:
         self.executor = executor
         self.inbox = inbox
         self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
+        self.metrics = metrics
         self._in_flight = 0  # external handlers submitted and not completed
         self._lock = threading.Lock()
 
@@ -148,7 +151,7 @@ class Firer:
         if not spec.atomic:
             out.external.append(timer)
             return
-        ctx = _context(timer, timer.attempts + 1, now_ms, token)
+        ctx = _context(timer, timer.attempts + 1, now_ms, token, self.metrics)
         if failed is None:
             try:
                 with firing(ctx):
@@ -219,6 +222,8 @@ class Firer:
             readd.append((timer.shard, timer.id, fire_at))
             return
         store.mark_failed(self.db, timer, attempts, token, now_ms, error)
+        if self.metrics is not None:
+            self.metrics.on_dead_letter(timer.shard)
         event(
             log,
             logging.ERROR,
@@ -262,7 +267,7 @@ class Firer:
             spec = self._resolve(timer)
             now_ms = self.clock.now_ms()
             try:
-                with firing(_context(timer, attempt, now_ms, token)):
+                with firing(_context(timer, attempt, now_ms, token, self.metrics)):
                     value: Any = spec.fn(*timer.args, **timer.kwargs)
                 error: BaseException | None = None
             except Exception as exc:
@@ -312,7 +317,9 @@ class Firer:
                 self._followup(timer, {"status": "success", "value": result}, now_ms, readd)
 
 
-def _context(timer: store.DueTimer, attempt: int, now_ms: int, token: int) -> FireContext:
+def _context(
+    timer: store.DueTimer, attempt: int, now_ms: int, token: int, metrics: Any = None
+) -> FireContext:
     return FireContext(
         timer_id=timer.id,
         key=timer.key,
@@ -321,6 +328,7 @@ def _context(timer: store.DueTimer, attempt: int, now_ms: int, token: int) -> Fi
         fired_ms=now_ms,
         shard=timer.shard,
         token=token,
+        metrics=metrics,
     )
 
 

@@ -19,6 +19,7 @@ step, a suspension, the end of the run) commits with them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -30,6 +31,7 @@ from durable.conf import get_settings
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
 from durable.core.sharding import shard_for
+from durable.dispatch.context import current_fire
 from durable.exceptions import PayloadError
 from durable.models import WorkflowState
 from durable.scheduling.validation import check_json
@@ -147,6 +149,15 @@ class DatabaseBackend:
 
     def run_step(self, call: StepCall) -> Record:
         """Run one attempt of a step; record done/failed, or schedule a retry and suspend."""
+        started = time.monotonic()
+        try:
+            return self._run_step(call)
+        finally:
+            fire = current_fire()
+            if fire is not None and fire.metrics is not None:
+                fire.metrics.step_duration.labels(call.kind).observe(time.monotonic() - started)
+
+    def _run_step(self, call: StepCall) -> Record:
         if call.kind == Kind.ATOMIC:
             return self._run_atomic(call)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from datetime import timedelta
 from io import StringIO
@@ -124,3 +125,34 @@ def test_measured_offset_never_puts_the_worker_ahead_of_the_database(settings):
             assert mine <= database_now_ms("default"), "worker clock ahead of the database"
     finally:
         eng.executor.shutdown(wait=True)
+
+
+def test_dead_letters_and_workflow_runs_by_state_are_exported(engine):
+    eng, clock = engine
+    durable.schedule(probes.fail_until, args=["dl", 99], max_attempts=1)
+    clock.advance(1_000)
+    eng.tick()
+    dead = sum(sample(eng, "durable_timers_dead_lettered_total", shard=str(s)) for s in (0, 1))
+    assert dead == 1
+    from testproject.demo.workflows import ten_steps
+
+    ten_steps.start(run_id="metrics-run")
+    eng._sample_database([0, 1])
+    assert sample(eng, "durable_workflow_runs", state="pending") == 1
+
+
+def test_workflow_step_durations_are_observed(engine):
+    from testproject.demo.workflows import ten_steps
+
+    eng, clock = engine
+    ten_steps.start(run_id="steps-run")
+    for _ in range(20):
+        clock.advance(1_000)
+        eng.tick()
+        if (
+            eng.firer.in_flight == 0
+            and sample(eng, "durable_workflow_step_seconds_count", kind="step") >= 10
+        ):
+            break
+        time.sleep(0.05)  # the replay runs on the executor thread
+    assert sample(eng, "durable_workflow_step_seconds_count", kind="step") >= 10
