@@ -156,3 +156,9 @@ def test_workflow_step_durations_are_observed(engine):
             break
         time.sleep(0.05)  # the replay runs on the executor thread
     assert sample(eng, "durable_workflow_step_seconds_count", kind="step") >= 10
+
+
+def test_web_side_serves_django_prometheus_metrics(client):
+    client.get("/admin/login/")
+    body = client.get("/metrics").content
+    assert b"django_http_requests_total_by_method_total" in body
