@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "schedule": "durable.scheduling.api:schedule",
     "schedule_many": "durable.scheduling.api:schedule_many",
     "cancel": "durable.scheduling.api:cancel",
+    "schedule_celery": "durable.scheduling.celery:schedule_celery",
     "Backoff": "durable.core.backoff:Backoff",
     "current_fire": "durable.dispatch.context:current_fire",
     "cron": "durable.scheduling.cron:cron",

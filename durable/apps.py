@@ -21,9 +21,17 @@ class DurableConfig(AppConfig):
     clock: Clock
 
     def ready(self) -> None:
+        from importlib.util import find_spec
+
         from durable import checks  # noqa: F401  (registers the system checks)
+        from durable.dispatch import celery  # noqa: F401  (registers the "celery" kind)
         from durable.scheduling import occurrences  # noqa: F401  (registers the "cron" kind)
         from durable.workflows import resume  # noqa: F401  (registers the "workflow" kind)
+
+        # The "task" kind needs a Django Tasks API: django.tasks (Django 6) or the
+        # django-tasks backport (Django 5.2); without one, Django tasks are simply absent.
+        if find_spec("django.tasks") or find_spec("django_tasks"):
+            from durable import tasks  # noqa: F401  (registers the "task" kind)
 
         self.clock = SystemClock()
 

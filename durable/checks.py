@@ -38,6 +38,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="durable.E003",
                 )
             )
+    if conf.DISPATCH not in ("inline", "kombu"):
+        errors.append(
+            checks.Error(
+                f"DURABLE['DISPATCH'] must be 'inline' or 'kombu', got {conf.DISPATCH!r}",
+                id="durable.E004",
+            )
+        )
     if not 8 <= conf.BUCKET_SHIFT <= 24:
         errors.append(
             checks.Error(

@@ -28,6 +28,7 @@ class TimerKind(models.TextChoices):
     CELERY = "celery", "Celery task"
     WORKFLOW = "workflow", "workflow wake-up"
     CRON = "cron", "cron occurrence"
+    TASK = "task", "Django task"
 
 
 class Timer(models.Model):

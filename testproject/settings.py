@@ -83,6 +83,7 @@ DURABLE = {
     "LEASE_TTL_S": env.float("DURABLE_LEASE_TTL_S", default=10.0),
     "RESCAN_INTERVAL_S": env.float("DURABLE_RESCAN_INTERVAL_S", default=2.0),
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
+    "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
 }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

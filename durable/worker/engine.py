@@ -37,6 +37,7 @@ from django.db.backends.signals import connection_created
 from durable.conf import DurableSettings, get_settings
 from durable.core.clock import Clock, SystemClock
 from durable.dispatch import kinds
+from durable.dispatch.executors import EmbeddedExecutor
 from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
@@ -108,6 +109,16 @@ class Engine:
             ttl_s=self.conf.LEASE_TTL_S,
         )
         self.listener = Listener(self.db, self.stop_event)
+        # DISPATCH = "kombu" on memory:// reaches no other process: execute in this one.
+        self.embedded: EmbeddedExecutor | None = None
+        if self.conf.DISPATCH == "kombu" and self.conf.BROKER_URL.startswith("memory://"):
+            self.embedded = EmbeddedExecutor(
+                url=self.conf.BROKER_URL,
+                db=self.db,
+                clock=self.clock,
+                resolvers=self.firer.resolvers,
+                threads=threads,
+            )
         self.runners: dict[int, ShardRunner] = {}
         self.stats = Stats()
         self._next_sample_ms = 0
@@ -127,6 +138,8 @@ class Engine:
     def start(self) -> None:
         """Register this node and create missing lease rows."""
         self._measure_offset()
+        if self.embedded is not None:
+            self.embedded.start()
         now = self.clock.now_ms()
         lease_store.ensure_shards(self.db, self.conf.SHARDS)
         lease_store.register_node(self.db, self.node, socket.gethostname(), os.getpid(), now)
@@ -197,6 +210,8 @@ class Engine:
         while self.firer.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.embedded is not None:
+            self.embedded.stop()
         self._drain_inbox()
         try:
             for shard in sorted(self.runners):

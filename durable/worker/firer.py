@@ -32,6 +32,7 @@ from durable.conf import DurableSettings
 from durable.core.backoff import Backoff
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
+from durable.dispatch import executors
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
 from durable.exceptions import LeaseLost
@@ -91,6 +92,8 @@ class Firer:
         self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
         self.metrics = metrics
         self._in_flight = 0  # external handlers submitted and not completed
+        # DISPATCH = "kombu": these kinds are claimed and shipped to executor processes.
+        self.shipped = executors.SHIPPED_KINDS if conf.DISPATCH == "kombu" else frozenset()
         self._lock = threading.Lock()
 
     @property
@@ -148,7 +151,7 @@ class Firer:
         except Exception as exc:  # unknown handler, unknown kind: retried, then dead letter
             out.errors.append((timer, exc))
             return
-        if not spec.atomic:
+        if not spec.atomic or timer.kind in self.shipped:
             out.external.append(timer)
             return
         ctx = _context(timer, timer.attempts + 1, now_ms, token, self.metrics)
@@ -191,7 +194,8 @@ class Firer:
         for timer in out.external:
             with self._lock:
                 self._in_flight += 1
-            self.executor.submit(self._run_external, runner.shard, runner.token, timer)
+            run = self._ship if timer.kind in self.shipped else self._run_external
+            self.executor.submit(run, runner.shard, runner.token, timer)
         for timer, exc in out.errors:
             event(
                 log,
@@ -284,6 +288,25 @@ class Firer:
             )
         except Exception:
             log.exception("external handler completion failed for timer %s", timer.id)
+        finally:
+            for item in readd:
+                self.inbox.put(item)
+            with self._lock:
+                self._in_flight -= 1
+            close_old_connections()
+
+    def _ship(self, shard: int, token: int, timer: store.DueTimer) -> None:
+        """Send a claimed timer to the executors; a failed publish is a failed attempt."""
+        attempt = timer.attempts + 1
+        readd: list[Readd] = []
+        shipment = executors.Shipment(timer_id=timer.id, attempt=attempt, shard=shard, token=token)
+        try:
+            executors.ship(shipment, self.conf.BROKER_URL)
+        except Exception as exc:  # broker down: retried with backoff, never lost
+            try:
+                self._complete_external(shard, token, timer, attempt, None, exc, readd)
+            except Exception:
+                log.exception("recording the failed shipment of timer %s failed", timer.id)
         finally:
             for item in readd:
                 self.inbox.put(item)

@@ -9,6 +9,7 @@ EXPECTED = {
     "schedule",
     "schedule_many",
     "cancel",
+    "schedule_celery",
     "Backoff",
     "current_fire",
     "cron",

@@ -1,0 +1,334 @@
+"""``DISPATCH = "kombu"``: fired handlers run in executor processes, fed through kombu.
+
+With the default ``"inline"``, the timer worker runs handlers itself. With ``"kombu"``
+the worker only decides *what* is due: it claims the timer (state ``firing`` with a claim
+deadline, attempt counted, exactly as for an ``atomic=False`` handler), commits, and
+ships a small :class:`Shipment` (timer id, attempt, shard, lease token) to the durable
+queue :data:`QUEUE` on ``DURABLE["BROKER_URL"]``. ``python manage.py
+run_durable_executor`` consumes it, runs the handler and commits the completion itself.
+
+The row stays the truth; the message is only a pointer to it. Every completion is fenced
+on the claim: it commits only if the row is still ``firing`` with the shipped attempt
+number, under a row lock. So a message redelivered after an executor crash, or one
+overtaken by a re-fire after the claim expired (``CLAIM_TIMEOUT_S``), finds a different
+attempt and is dropped as stale; nothing completes twice.
+
+- Atomic handlers run *inside* that fenced transaction (in a savepoint), so their effect
+  on the database still happens exactly once.
+- ``atomic=False`` handlers run outside any transaction (at least once), then the
+  completion transaction checks the claim.
+- A handler that raises is retried at now + backoff, or dead-lettered, as in the worker;
+  the retry reaches the owning worker by NOTIFY (PostgreSQL) or its rescan.
+- A shipment that cannot be published (broker down) counts as a failed attempt of the
+  timer: retried with backoff, never lost.
+
+``memory://`` (the default ``BROKER_URL``) only reaches consumers in the same process:
+the worker then runs an :class:`EmbeddedExecutor` thread (tests use the same).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.db import DatabaseError, close_old_connections, transaction
+from kombu import Connection, Message
+
+from durable.core.backoff import Backoff
+from durable.core.clock import Clock
+from durable.core.errors import sanitize_error
+from durable.dispatch.broker import Outgoing, direct_queue, publishers
+from durable.dispatch.context import FireContext, firing
+from durable.dispatch.registry import HandlerSpec
+from durable.models import Timer, TimerState
+from durable.storage import firing as store
+from durable.storage.notify import notify_timers
+from durable.storage.timers import create_followup
+
+log = logging.getLogger("durable.executor")
+
+#: The durable queue (and direct exchange, and routing key) shipments travel on.
+QUEUE = "durable.executor"
+#: Timer kinds an executor runs. Cron occurrences, workflow replays and Celery publishes
+#: stay in the worker: they need its lease token or are a publish already.
+SHIPPED_KINDS = frozenset({"handler", "task"})
+#: Outcomes of :func:`execute`.
+DONE, RETRY, FAILED, STALE = "done", "retry", "failed", "stale"
+
+Resolvers = dict[str, Callable[[str], HandlerSpec]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shipment:
+    """What travels on the queue: which claimed timer, which attempt, fenced by whom."""
+
+    timer_id: int
+    attempt: int
+    """The attempt number the claim counted; the completion requires it to still match."""
+    shard: int
+    token: int
+    """The worker's lease token when it claimed (recorded as ``fired_token``)."""
+
+    def to_json(self) -> dict[str, int]:
+        """The message body."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Any) -> Shipment:
+        """Parse a message body; ``ValueError`` if it is not a shipment."""
+        if isinstance(body, str | bytes):
+            body = json.loads(body)
+        fields = ("timer_id", "attempt", "shard", "token")
+        if not isinstance(body, dict) or set(body) != set(fields):
+            raise ValueError(f"not a durable shipment: {body!r:.200}")
+        values = {name: body[name] for name in fields}
+        if not all(type(value) is int for value in values.values()):
+            raise ValueError(f"not a durable shipment: {body!r:.200}")
+        return cls(**values)
+
+
+def ship(shipment: Shipment, url: str) -> None:
+    """Publish ``shipment`` persistently to :data:`QUEUE` (confirmed on RabbitMQ)."""
+    message = Outgoing(body=shipment.to_json(), headers={"durable": "shipment/1"})
+    publishers.publish(url, message, direct_queue(QUEUE))
+
+
+# -- executing (the executor side) ----------------------------------------------------
+
+
+def execute(shipment: Shipment, *, db: str, clock: Clock, resolvers: Resolvers) -> str:
+    """Run the shipped timer's handler and commit its completion; return the outcome.
+
+    ``STALE`` when the claim no longer stands (cancelled, completed, or re-fired under
+    another attempt): nothing runs, nothing is written.
+    """
+    timer = _claimed(db, shipment, lock=False)
+    if timer is None:
+        return STALE
+    try:
+        spec = resolvers[timer.kind](timer.target)
+    except Exception as exc:  # unknown handler or kind: retried, then dead letter
+        with transaction.atomic(using=db):
+            locked = _claimed(db, shipment, lock=True)
+            return STALE if locked is None else _settle(db, clock, shipment, locked, None, exc)
+    if spec.atomic:
+        return _execute_atomic(db, clock, shipment, spec)
+    return _execute_external(db, clock, shipment, timer, spec)
+
+
+def _execute_atomic(db: str, clock: Clock, shipment: Shipment, spec: HandlerSpec) -> str:
+    with transaction.atomic(using=db):
+        timer = _claimed(db, shipment, lock=True)
+        if timer is None:
+            return STALE
+        error: BaseException | None = None
+        value: Any = None
+        try:
+            with transaction.atomic(using=db), firing(_context(timer, shipment, clock)):
+                value = spec.fn(*timer.args, **timer.kwargs)
+        except Exception as exc:  # its savepoint rolled its own effects back
+            error = exc
+        return _settle(db, clock, shipment, timer, value, error)
+
+
+def _execute_external(
+    db: str, clock: Clock, shipment: Shipment, timer: Timer, spec: HandlerSpec
+) -> str:
+    error: BaseException | None = None
+    value: Any = None
+    try:
+        with firing(_context(timer, shipment, clock)):
+            value = spec.fn(*timer.args, **timer.kwargs)
+    except Exception as exc:
+        error = exc
+    with transaction.atomic(using=db):
+        locked = _claimed(db, shipment, lock=True)
+        if locked is None:
+            return STALE
+        return _settle(db, clock, shipment, locked, value, error)
+
+
+def _claimed(db: str, shipment: Shipment, *, lock: bool) -> Timer | None:
+    """The timer if our claim (state firing, that attempt) stands; locked when asked."""
+    rows = Timer.objects.using(db).filter(
+        pk=shipment.timer_id, state=TimerState.FIRING, attempts=shipment.attempt
+    )
+    return (rows.select_for_update() if lock else rows).first()
+
+
+def _settle(
+    db: str,
+    clock: Clock,
+    shipment: Shipment,
+    timer: Timer,
+    value: Any,
+    error: BaseException | None,
+) -> str:
+    """Record the outcome of one attempt, inside the caller's fenced transaction."""
+    now_ms = clock.now_ms()
+    if error is None:
+        result = _json_value(value) if timer.on_complete else None
+        # Only results an on_complete reads are stored (as the worker does), so a
+        # result the handler wrote itself (Django tasks) is not overwritten.
+        results = {timer.pk: result} if result is not None else None
+        store.mark_fired(db, [timer.pk], shipment.token, now_ms, results)
+        create_followup(timer, {"status": "success", "value": result}, now_ms, using=db)
+        return DONE
+    text = sanitize_error(error)
+    _log(logging.WARNING, "timer.error", timer=timer.pk, target=timer.target, error=text)
+    if shipment.attempt < timer.max_attempts:
+        backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
+        fire_at = now_ms + backoff.delay_ms(shipment.attempt)
+        # mark_retry/mark_failed read only the id of the DueTimer they are typed for.
+        due: Any = timer
+        store.mark_retry(db, due, shipment.attempt, fire_at, _bucket_shift(), text)
+        notify_timers(db, [(timer.shard, timer.pk, fire_at)])
+        return RETRY
+    due = timer
+    store.mark_failed(db, due, shipment.attempt, shipment.token, now_ms, text)
+    _log(logging.ERROR, "timer.dead_letter", timer=timer.pk, target=timer.target, error=text)
+    create_followup(timer, {"status": "failed", "error": text}, now_ms, using=db)
+    return FAILED
+
+
+def _bucket_shift() -> int:
+    from durable.conf import get_settings
+
+    return get_settings().BUCKET_SHIFT
+
+
+def _context(timer: Timer, shipment: Shipment, clock: Clock) -> FireContext:
+    return FireContext(
+        timer_id=timer.pk,
+        key=timer.key,
+        attempt=shipment.attempt,
+        scheduled_ms=timer.fire_at_ms,
+        fired_ms=clock.now_ms(),
+        shard=timer.shard,
+        token=shipment.token,
+    )
+
+
+def _json_value(value: Any) -> Any:
+    # As the worker does: a result that is not JSON is stored as None.
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+def _log(level: int, name: str, **fields: Any) -> None:
+    if log.isEnabledFor(level):
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.log(level, "%s %s", name, text, extra={"durable": {"event": name, **fields}})
+
+
+# -- consuming ------------------------------------------------------------------------
+
+
+class ExecutorConsumer:
+    """Takes shipments off :data:`QUEUE` one at a time and executes them.
+
+    A message is acknowledged once its completion committed (or it proved stale or
+    malformed); a database error leaves it unacknowledged for redelivery, so an executor
+    that dies or loses its database loses nothing.
+    """
+
+    def __init__(self, *, url: str, db: str, clock: Clock, resolvers: Resolvers) -> None:
+        self.url = url
+        self.db = db
+        self.clock = clock
+        self.resolvers = resolvers
+        self.outcomes: dict[str, int] = {DONE: 0, RETRY: 0, FAILED: 0, STALE: 0}
+
+    def run(self, stop: threading.Event, *, poll_s: float = 1.0) -> None:
+        """Consume until ``stop`` is set, reconnecting (with a pause) when the broker drops."""
+        while not stop.is_set():
+            try:
+                self.drain(stop, poll_s=poll_s)
+            except Exception as exc:  # broker gone: wait, reconnect
+                _log(logging.WARNING, "executor.broker_error", error=sanitize_error(exc))
+                stop.wait(min(5.0, poll_s * 2))
+
+    def drain(
+        self, stop: threading.Event | None = None, *, poll_s: float = 0.1, limit: int = 0
+    ) -> int:
+        """Handle messages until none arrives within ``poll_s`` (or ``stop``, or ``limit``)."""
+        handled = 0
+        with (
+            Connection(self.url) as conn,
+            conn.Consumer(
+                [direct_queue(QUEUE)],
+                callbacks=[self._on_message],
+                accept=["json"],
+                prefetch_count=1,
+            ),
+        ):
+            while not (stop and stop.is_set()) and not (limit and handled >= limit):
+                try:
+                    conn.drain_events(timeout=poll_s)
+                except TimeoutError:
+                    if stop is None:
+                        return handled
+                    continue
+                handled += 1
+        return handled
+
+    def _on_message(self, body: Any, message: Message) -> None:
+        try:
+            shipment = Shipment.from_json(body)
+        except ValueError as exc:
+            _log(logging.ERROR, "executor.bad_message", error=sanitize_error(exc))
+            message.reject()  # never runnable: do not redeliver it forever
+            return
+        try:
+            outcome = execute(shipment, db=self.db, clock=self.clock, resolvers=self.resolvers)
+        except DatabaseError as exc:
+            _log(logging.WARNING, "executor.database_error", error=sanitize_error(exc))
+            message.requeue()
+            return
+        finally:
+            close_old_connections()
+        self.outcomes[outcome] += 1
+        message.ack()
+
+
+class EmbeddedExecutor:
+    """Executor threads inside the current process (needed for ``memory://``)."""
+
+    def __init__(
+        self, *, url: str, db: str, clock: Clock, resolvers: Resolvers, threads: int = 1
+    ) -> None:
+        self.stop_event = threading.Event()
+        self.consumers = [
+            ExecutorConsumer(url=url, db=db, clock=clock, resolvers=resolvers)
+            for _ in range(threads)
+        ]
+        self.threads = [
+            threading.Thread(
+                target=consumer.run,
+                args=(self.stop_event,),
+                kwargs={"poll_s": 0.2},
+                name=f"durable-executor-{i}",
+                daemon=True,
+            )
+            for i, consumer in enumerate(self.consumers)
+        ]
+
+    def start(self) -> EmbeddedExecutor:
+        """Start the threads (once; later calls do nothing); returns self."""
+        for thread in self.threads:
+            if thread.ident is None:
+                thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the threads to finish their message and stop; wait for them."""
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(timeout_s)

@@ -1,0 +1,74 @@
+"""``python manage.py run_durable_executor``: run handlers the workers ship through kombu.
+
+Used with ``DURABLE["DISPATCH"] = "kombu"``: the ``run_timer_shards`` workers claim due
+timers and put them on the durable queue ``durable.executor`` of ``DURABLE["BROKER_URL"]``;
+any number of executor processes, on any hosts, take them from there, run the handler
+and commit its completion (fenced on the claim). SIGTERM finishes the message in hand.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from durable.conf import get_settings
+from durable.core.clock import SystemClock
+from durable.dispatch import kinds
+from durable.dispatch.executors import EmbeddedExecutor
+from durable.storage.leases import database_now_ms
+
+
+class Command(BaseCommand):
+    """``run_durable_executor [--threads N] [--broker URL] [--duration S]``."""
+
+    help = "Run the handlers that run_timer_shards ships through kombu (DISPATCH = 'kombu')."
+
+    def add_arguments(self, parser: Any) -> None:
+        """Declare the options."""
+        parser.add_argument(
+            "--threads", type=int, default=4, help="handlers run at once (one consumer each)"
+        )
+        parser.add_argument(
+            "--broker", default=None, help='broker URL (default: DURABLE["BROKER_URL"])'
+        )
+        parser.add_argument(
+            "--duration", type=float, default=None, help="stop cleanly after this many seconds"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        """Consume shipments until SIGTERM/SIGINT (or ``--duration``), then stop cleanly."""
+        conf = get_settings()
+        url = options["broker"] or conf.BROKER_URL
+        if options["threads"] < 1:
+            raise CommandError("--threads must be >= 1")
+        if url.startswith("memory://"):
+            raise CommandError(
+                "the memory:// broker only reaches consumers in the worker's own process; "
+                'set DURABLE["BROKER_URL"] (or --broker) to RabbitMQ or Redis'
+            )
+        clock = SystemClock()
+        # Like the worker, stamp completions and retries by the database's clock.
+        db_now = database_now_ms(conf.DATABASE)
+        if db_now is not None:
+            clock.offset_ms = db_now - clock.now_ms()
+        executor = EmbeddedExecutor(
+            url=url,
+            db=conf.DATABASE,
+            clock=clock,
+            resolvers=kinds.resolvers(),
+            threads=options["threads"],
+        )
+        done = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            done.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        executor.start()
+        self.stdout.write(f"executor: {options['threads']} thread(s) on queue durable.executor")
+        done.wait(options["duration"])
+        executor.stop()

@@ -1,0 +1,295 @@
+"""A Django Tasks backend on durable timers: ``durable.tasks.DurableBackend``.
+
+Works with ``django.tasks`` (Django 6) and with the ``django-tasks`` backport (Django
+5.2)::
+
+    TASKS = {"default": {"BACKEND": "durable.tasks.DurableBackend"}}
+
+``task.enqueue(...)`` writes a timer (kind ``task``, target the task's module path) in
+the caller's transaction: a rollback leaves nothing, a commit makes it durable, and there
+is no ``on_commit`` window in which a crash loses it. ``run_after`` goes through the
+timer wheel. The ``run_timer_shards`` worker runs the task outside its batch
+transaction (at least once, like ``atomic=False`` handlers) and records its outcome on
+the timer row, so ``get_result(result_id)`` works from any process. The result id is the
+timer id, as a string, and ``durable.cancel(int(result.id))`` cancels a task not run yet.
+
+Backend ``OPTIONS``: ``MAX_ATTEMPTS`` (default 1: a task that raises is ``FAILED``, as
+Django's semantics say; more attempts retry with ``DURABLE``'s backoff, and the result
+stays ``READY`` in between). Priorities are accepted and kept on the result; the worker
+runs tasks by due time, so priority does not reorder them (see the how-to).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import datetime
+from functools import partial
+from random import getrandbits
+from typing import Any
+
+from django.db import transaction
+from django.utils.module_loading import import_string
+
+from durable.apps import current_clock
+from durable.conf import get_settings
+from durable.core.errors import sanitize_error
+from durable.core.sharding import bucket_of, shard_for
+from durable.core.timeutil import datetime_to_ms, ms_to_datetime
+from durable.dispatch.context import current_fire
+from durable.dispatch.kinds import register_kind
+from durable.dispatch.registry import HandlerSpec
+from durable.models import Timer, TimerState
+from durable.scheduling import validation as v
+from durable.storage import timers as store
+
+try:  # Django 6
+    from django.tasks import exceptions as _exceptions
+    from django.tasks import signals as _signals
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
+except ImportError:  # Django 5.2 with the django-tasks backport
+    from django_tasks import exceptions as _exceptions  # type: ignore[no-redef]
+    from django_tasks import signals as _signals  # type: ignore[no-redef]
+    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef]
+    from django_tasks.base import (  # type: ignore[no-redef,assignment]
+        Task,
+        TaskContext,
+        TaskError,
+        TaskResult,
+        TaskResultStatus,
+    )
+
+TaskResultDoesNotExist = _exceptions.TaskResultDoesNotExist
+# Django 6 names it InvalidTask; the backport InvalidTaskError.
+InvalidTaskError: type[Exception] = getattr(
+    _exceptions, "InvalidTask", getattr(_exceptions, "InvalidTaskError", ValueError)
+)
+
+#: ``Timer.kind`` of task timers (see the lead's TimerKind note in the how-to).
+TASK_KIND = "task"
+#: Longest traceback kept per attempt (paths stripped, as for ``last_error``).
+MAX_TRACEBACK_CHARS = 4000
+
+_STATUS = {
+    TimerState.PENDING: TaskResultStatus.READY,
+    TimerState.FIRING: TaskResultStatus.RUNNING,
+    TimerState.FIRED: TaskResultStatus.SUCCESSFUL,
+    TimerState.FAILED: TaskResultStatus.FAILED,
+    TimerState.CANCELED: TaskResultStatus.FAILED,
+}
+
+
+class TaskCanceled(Exception):
+    """The task's timer was cancelled (``durable.cancel``) before it ran."""
+
+
+class DurableBackend(BaseTaskBackend):
+    """Django Tasks backend whose queue is durable's timer table; see the module docstring."""
+
+    supports_defer = True
+    supports_get_result = True
+    supports_async_task = True
+    supports_priority = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        options = params.get("OPTIONS", {})
+        self.max_attempts = v.check_max_attempts(
+            options.get("MAX_ATTEMPTS", 1), f"TASKS[{alias!r}]['OPTIONS']", "MAX_ATTEMPTS"
+        )
+
+    def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
+        """Write the task's timer in the caller's transaction and return its result handle."""
+        self.validate_task(task)
+        _check_importable(task)
+        conf = get_settings()
+        now_ms = current_clock().now_ms()
+        fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
+        args, kwargs = v.check_payload(list(args), dict(kwargs), None, conf.MAX_PAYLOAD_BYTES)
+        timer = store.new_timer(
+            shard=shard_for(f"{getrandbits(128):032x}", conf.SHARDS),
+            bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+            fire_at_ms=fire_at_ms,
+            state=TimerState.PENDING,
+            kind=TASK_KIND,
+            target=task.module_path,
+            args=args,
+            kwargs=kwargs,
+            max_attempts=self.max_attempts,
+            backoff_base_s=conf.BACKOFF_BASE_S,
+            backoff_max_s=conf.BACKOFF_MAX_S,
+            # context is only read by on_complete, which task timers never have.
+            context={
+                "backend": self.alias,
+                "queue_name": task.queue_name,
+                "priority": task.priority,
+                "run_after_ms": None if task.run_after is None else fire_at_ms,
+            },
+        )
+        db = conf.DATABASE
+        with transaction.atomic(using=db, savepoint=False):
+            timer, _ = store.insert_timer(db, timer)
+            store.announce(db, [timer], now_ms)
+        result = _to_result(timer, task)
+        _signals.task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult:
+        """Return the stored result of ``result_id``; raise ``TaskResultDoesNotExist``."""
+        timer = _load(result_id)
+        return _to_result(timer, _task_of(timer))
+
+    def check(self, **kwargs: Any) -> Any:
+        """No extra checks: DURABLE's own system checks cover the database and settings."""
+        return []
+
+
+def _check_importable(task: Task) -> None:
+    """The worker finds the task by its module path: make sure that path leads back to it."""
+    try:
+        found = import_string(task.module_path)
+    except ImportError:
+        found = None
+    if getattr(found, "func", None) is not task.func:
+        raise InvalidTaskError(
+            f"task {task.module_path!r} is not importable by that path: define it at module "
+            "level with @task, under the function's own name"
+        )
+
+
+def _load(result_id: Any) -> Timer:
+    try:
+        timer_id = int(result_id)
+    except (TypeError, ValueError):
+        raise TaskResultDoesNotExist(f"no task result {result_id!r}") from None
+    timer = Timer.objects.using(get_settings().DATABASE).filter(pk=timer_id, kind=TASK_KIND).first()
+    if timer is None:
+        raise TaskResultDoesNotExist(f"no task result {result_id!r}")
+    return timer
+
+
+def _task_of(timer: Timer) -> Task:
+    """The Task a timer runs, with the options it was enqueued with."""
+    try:
+        task = import_string(timer.target)
+    except ImportError:
+        raise TaskResultDoesNotExist(
+            f"task result {timer.pk}: its task {timer.target!r} is no longer importable"
+        ) from None
+    context = timer.context or {}
+    run_after = context.get("run_after_ms")
+    return task.using(  # type: ignore[no-any-return]
+        priority=context.get("priority"),
+        queue_name=context.get("queue_name"),
+        backend=context.get("backend"),
+        run_after=None if run_after is None else ms_to_datetime(run_after),
+    )
+
+
+def _to_result(timer: Timer, task: Task) -> TaskResult:
+    record = timer.result if isinstance(timer.result, dict) else {}
+    errors = [TaskError(**error) for error in record.get("errors", [])]
+    status = _STATUS[TimerState(timer.state)]
+    if timer.state == TimerState.CANCELED:
+        errors.append(TaskError(exception_class_path=_path(TaskCanceled), traceback="canceled"))
+    finished = None
+    if timer.state in (TimerState.FIRED, TimerState.FAILED):
+        finished = timer.fired_at or _when(record.get("finished_ms"))
+    result = TaskResult(
+        task=task,
+        id=str(timer.pk),
+        status=status,
+        enqueued_at=timer.created_at,
+        started_at=_when(record.get("started_ms")),
+        finished_at=finished or (timer.updated_at if timer.state == TimerState.CANCELED else None),
+        last_attempted_at=_when(record.get("attempted_ms")),
+        args=timer.args,
+        kwargs=timer.kwargs,
+        backend=(timer.context or {}).get("backend", task.backend),
+        errors=errors,
+        worker_ids=list(record.get("worker_ids", [])),
+    )
+    if "return_value" in record:
+        object.__setattr__(result, "_return_value", record["return_value"])
+    return result
+
+
+def _when(ms: int | None) -> datetime | None:
+    return None if ms is None else ms_to_datetime(ms)
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- running a task (the worker side) -------------------------------------------------
+
+
+def resolve(module_path: str) -> HandlerSpec:
+    """The ``task`` kind's resolver: run the Django task at ``module_path``, at least once."""
+    return HandlerSpec(name=module_path, fn=partial(run_task, module_path), atomic=False)
+
+
+def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
+    """Run one attempt of the task being fired and record its outcome on its timer.
+
+    Sends ``task_started`` and ``task_finished``. An exception is recorded (class path
+    and traceback) and re-raised, so the worker retries or fails the timer.
+    """
+    fire = current_fire()
+    if fire is None:
+        raise RuntimeError("run_task() runs only when the worker fires a task timer")
+    db = get_settings().DATABASE
+    timer = Timer.objects.using(db).get(pk=fire.timer_id)
+    task = _task_of(timer)
+    record = dict(timer.result) if isinstance(timer.result, dict) else {}
+    record.setdefault("started_ms", fire.fired_ms)
+    record["attempted_ms"] = fire.fired_ms
+    record["worker_ids"] = [*record.get("worker_ids", []), _worker_id()]
+    timer.state, timer.result = TimerState.FIRING, record
+    _signals.task_started.send(type(task.get_backend()), task_result=_to_result(timer, task))
+    try:
+        if task.takes_context:
+            context = TaskContext(task_result=_to_result(timer, task))
+            value = task.call(context, *args, **kwargs)
+        else:
+            value = task.call(*args, **kwargs)
+        v.check_json(value, "return value")
+    except Exception as exc:
+        record["errors"] = [*record.get("errors", []), _error(exc)]
+        final = fire.attempt >= timer.max_attempts
+        _finish(db, timer, task, record, TimerState.FAILED if final else TimerState.PENDING)
+        raise
+    record["return_value"] = value
+    _finish(db, timer, task, record, TimerState.FIRED)
+    return value
+
+
+def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: str) -> None:
+    # Written before the worker completes the timer (in autocommit: external fires run
+    # outside any transaction). A crash in between leaves the row firing with this
+    # record, and the re-run appends to it.
+    if state != TimerState.PENDING:
+        record["finished_ms"] = current_clock().now_ms()
+    Timer.objects.using(db).filter(pk=timer.pk).update(result=record)
+    # The signal shows what the result reads once the worker commits the completion.
+    timer.result, timer.state = record, state
+    backend = task.get_backend()
+    _signals.task_finished.send(type(backend), task_result=_to_result(timer, task))
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    text = "".join(traceback.format_exception(exc))
+    return {
+        "exception_class_path": _path(type(exc)),
+        "traceback": sanitize_error(text, limit=MAX_TRACEBACK_CHARS),
+    }
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+register_kind(TASK_KIND, resolve)

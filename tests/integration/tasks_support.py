@@ -1,0 +1,78 @@
+"""Django tasks the Tasks-backend tests enqueue; module level, so the worker imports them.
+
+Decorated with whichever Tasks API is installed: ``django.tasks`` (Django 6) or the
+``django-tasks`` backport (Django 5.2). Each writes a ``FireRecord`` row per run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from durable.dispatch.context import current_fire
+from testproject.demo.models import FireRecord
+
+try:
+    from django.tasks import task
+except ImportError:
+    from django_tasks import task  # type: ignore[no-redef]
+
+
+def _record(key: str) -> None:
+    fire = current_fire()
+    assert fire is not None, "tasks run only inside the durable worker here"
+    FireRecord.objects.create(key=key, fired_at_ms=fire.fired_ms, due_at_ms=fire.scheduled_ms)
+
+
+@task
+def add(a: int, b: int, *, key: str = "add") -> int:
+    """Record a run and return the sum."""
+    _record(key)
+    return a + b
+
+
+@task(priority=10, queue_name="emails")
+def send_email(to: str) -> dict[str, Any]:
+    """A prioritised task on its own queue."""
+    _record(f"email:{to}")
+    return {"sent": to}
+
+
+@task
+def explode(message: str) -> None:
+    """Always fails."""
+    _record(f"explode:{message}")
+    raise ValueError(message)
+
+
+@task
+def flaky(key: str) -> str:
+    """Fails on its first attempt, succeeds on the next."""
+    fire = current_fire()
+    assert fire is not None
+    _record(f"{key}:{fire.attempt}")
+    if fire.attempt == 1:
+        raise RuntimeError("first attempt fails")
+    return key
+
+
+@task(takes_context=True)
+def with_context(context: Any, key: str) -> dict[str, Any]:
+    """Return what the task context says about this run."""
+    _record(key)
+    return {"id": context.task_result.id, "attempt": context.attempt}
+
+
+@task
+async def asynchronous(key: str) -> str:
+    """A coroutine task: run through ``async_to_sync`` on the worker's thread."""
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(_record)(key)
+    return key.upper()
+
+
+@task
+def not_json(key: str) -> object:
+    """Returns something that is not JSON: the run is recorded as a failure."""
+    _record(key)
+    return object()

@@ -1,0 +1,254 @@
+"""``durable.schedule_celery`` through the in-process engine and kombu's memory transport.
+
+What the worker publishes is compared with what Celery itself builds for the same task
+(``app.amqp.as_task_v2``), so a drift from Celery's protocol fails here. Real brokers and
+a real Celery worker are in ``tests/acceptance/test_celery_brokers.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import transaction
+from kombu import Connection
+
+import durable
+from durable.dispatch import celery as celery_kind
+from durable.dispatch.broker import publishers
+from durable.exceptions import PayloadError
+from durable.models import Timer
+from durable.testing import ManualClock, override_clock
+from durable.worker.engine import Engine
+
+START_MS = 1_900_000_000_000
+MEMORY = "memory://"
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def clock():
+    clock = ManualClock(start_ms=START_MS)
+    with override_clock(clock):
+        yield clock
+
+
+@pytest.fixture
+def engine(clock, settings):
+    settings.DURABLE = {
+        "SHARDS": 4,
+        "LEASE_TTL_S": 10.0,
+        "RESCAN_INTERVAL_S": 1.0,
+        "BROKER_URL": MEMORY,
+        "BACKOFF_BASE_S": 1.0,
+    }
+    for name in ("celery", "priority"):
+        _drain(name)
+    eng = Engine(node="test-node", clock=clock, threads=2)
+    eng.start()
+    eng.tick()
+    yield eng
+    eng.executor.shutdown(wait=True)
+
+
+def _drain(queue: str) -> list:
+    """Every message waiting on ``queue`` of the in-process memory broker (acked)."""
+    messages = []
+    with Connection(MEMORY) as conn:
+        simple = conn.SimpleQueue(queue)
+        while True:
+            try:
+                message = simple.get(block=False)
+            except simple.Empty:
+                break
+            message.ack()
+            messages.append(message)
+        simple.close()
+    return messages
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _fire(engine, clock, ms=1_000):
+    clock.advance(ms)
+    engine.tick()
+
+
+def _state(timer):
+    return Timer.objects.get(pk=timer.pk).state
+
+
+def test_publishes_celery_protocol_v2_json_when_due(engine, clock):
+    timer = durable.schedule_celery(
+        "shop.tasks.ship", args=[7, "x"], kwargs={"fast": True}, delay=timedelta(seconds=30)
+    )
+    assert timer.kind == "celery" and timer.target == "shop.tasks.ship"
+    _fire(engine, clock, 29_000)
+    assert _drain("celery") == [], "published early"
+    _fire(engine, clock, 1_000)
+    assert _wait_for(lambda: _state(timer) == "fired")
+    [message] = _drain("celery")
+    task_id = f"durable-{timer.pk}"
+    assert message.content_type == "application/json"
+    assert message.properties["correlation_id"] == task_id
+    assert message.properties["delivery_mode"] == 2  # persistent
+    assert message.payload == [
+        [7, "x"],
+        {"fast": True},
+        {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+    ]
+    expected = _celery_headers(task_id, "shop.tasks.ship", [7, "x"], {"fast": True})
+    got = {k: message.headers[k] for k in expected}
+    assert got == expected
+    assert message.headers["origin"].startswith("durable")
+
+
+def _celery_headers(task_id, name, args, kwargs):
+    """The headers Celery's own client builds for the same call (minus the origin)."""
+    from celery import Celery
+
+    app = Celery("reference", broker=MEMORY, set_as_current=False)
+    built = app.amqp.as_task_v2(task_id, name, args=args, kwargs=kwargs)
+    headers = dict(built.headers)
+    headers.pop("origin")
+    headers["timelimit"] = list(headers["timelimit"])
+    return headers
+
+
+def test_queue_routes_to_that_queue_and_the_task_never_sees_the_option(engine, clock):
+    timer = durable.schedule_celery("t.prio", kwargs={"n": 1}, queue="priority")
+    assert timer.kwargs == {"n": 1, celery_kind.OPTIONS_KEY: {"queue": "priority"}}
+    _fire(engine, clock)
+    assert _wait_for(lambda: _state(timer) == "fired")
+    assert _drain("celery") == []
+    [message] = _drain("priority")
+    assert message.payload[1] == {"n": 1}
+    assert message.delivery_info["routing_key"] == "priority"
+
+
+def test_cancelled_before_due_publishes_nothing(engine, clock):
+    timer = durable.schedule_celery("t.cancel", delay=timedelta(days=400))
+    assert durable.cancel(timer) is True
+    assert _state(timer) == "canceled"
+    _fire(engine, clock, 400 * 86_400_000)  # (retention prunes the cancelled row meanwhile)
+    engine.tick()
+    assert _drain("celery") == []
+    assert not Timer.objects.filter(pk=timer.pk, state="fired").exists()
+
+
+def test_key_makes_it_idempotent(engine, clock):
+    first = durable.schedule_celery("t.once", args=[1], key="order-9")
+    again = durable.schedule_celery("t.once", args=[2], key="order-9")
+    assert again.pk == first.pk and Timer.objects.count() == 1
+    _fire(engine, clock)
+    assert _wait_for(lambda: _state(first) == "fired")
+    assert [m.payload[0] for m in _drain("celery")] == [[1]]
+
+
+def test_rolled_back_schedule_never_publishes(engine, clock):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        durable.schedule_celery("t.ghost")
+        raise RuntimeError("roll back")
+    _fire(engine, clock, 5_000)
+    assert Timer.objects.count() == 0 and _drain("celery") == []
+
+
+def test_broker_down_is_retried_with_backoff_and_nothing_is_lost(engine, clock, settings):
+    settings.DURABLE = {**settings.DURABLE, "BROKER_URL": "redis://127.0.0.1:1/0"}
+    timer = durable.schedule_celery("t.later", args=["kept"])
+    _fire(engine, clock)
+    assert _wait_for(lambda: Timer.objects.filter(pk=timer.pk, attempts=1, state="pending"))
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.last_error and row.fire_at_ms > clock.now_ms()  # retry planned, backoff
+    settings.DURABLE = {**settings.DURABLE, "BROKER_URL": MEMORY}  # the broker is back
+    for _ in range(10):
+        _fire(engine, clock, 2_000)
+        if _wait_for(lambda: _state(timer) == "fired", timeout_s=1):
+            break
+    assert _state(timer) == "fired"
+    assert [m.payload[0] for m in _drain("celery")] == [["kept"]]
+    assert Timer.objects.get(pk=timer.pk).attempts == 2
+
+
+def test_one_connection_per_thread_is_reused():
+    publishers.close()
+    message = celery_kind.task_message("t.pool", [], {}, task_id="durable-0")
+    queue = celery_kind.direct_queue("pooltest")
+    publishers.publish(MEMORY, message, queue)
+    first = publishers._slots()[MEMORY].connection
+    publishers.publish(MEMORY, message, queue)
+    assert publishers._slots()[MEMORY].connection is first
+    assert len(_drain("pooltest")) == 2
+    publishers.close()
+    assert MEMORY not in publishers._slots()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"args": [Decimal("1.5")]}, PayloadError, r"args\[0\]: Decimal is not JSON"),
+        ({"kwargs": {"when": datetime(2030, 1, 1)}}, PayloadError, r"kwargs\['when'\]"),
+        ({"kwargs": {"__celery__": 1}}, ValueError, "reserved"),
+        ({"at": datetime(2030, 1, 1)}, ValueError, "naive datetime"),
+        ({"delay": timedelta(seconds=-1)}, ValueError, "delay: must not be negative"),
+        ({"queue": ""}, ValueError, "queue: must be 1 to 255"),
+        ({"queue": "a b"}, ValueError, "queue: 'a b' contains whitespace"),
+        ({"key": ""}, ValueError, "key: must be 1 to 255"),
+        ({"max_attempts": 0}, ValueError, "max_attempts: must be >= 1"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(clock, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        durable.schedule_celery("t.bad", **kwargs)
+    assert Timer.objects.count() == 0
+
+
+@pytest.mark.parametrize(("name", "match"), [(None, "expected a str"), ("", "1 to 255")])
+def test_bad_task_name(clock, name, match):
+    with pytest.raises((TypeError, ValueError), match=f"task_name: .*{match}"):
+        durable.schedule_celery(name)
+    assert Timer.objects.count() == 0
+
+
+def test_max_attempts_and_backoff_are_stored(clock):
+    timer = durable.schedule_celery(
+        "t.policy", max_attempts=20, backoff=durable.Backoff(base_s=2.0, max_s=60.0)
+    )
+    row = Timer.objects.get(pk=timer.pk)
+    assert (row.max_attempts, row.backoff_base_s, row.backoff_max_s) == (20, 2.0, 60.0)
+
+
+def test_a_batch_rolled_back_and_rerun_publishes_once(clock, settings):
+    from testproject.demo import probes
+
+    settings.DURABLE = {"SHARDS": 1, "RESCAN_INTERVAL_S": 1.0, "BROKER_URL": MEMORY}
+    _drain("celery")
+    eng = Engine(node="one-shard", clock=clock, threads=1)
+    eng.start()
+    eng.tick()
+    try:
+        timer = durable.schedule_celery("t.rerun", args=["once"])
+        # Fires in the same batch, after the publish: the batch rolls back and runs again.
+        durable.schedule(probes.fail_until, args=["neighbour", 99], delay=timedelta(0))
+        _fire(eng, clock)
+        assert _state(timer) == "fired"
+        assert [m.payload[0] for m in _drain("celery")] == [["once"]]
+    finally:
+        eng.executor.shutdown(wait=True)
+
+
+def test_sent_log_is_bounded():
+    log = celery_kind.SentLog(size=2)
+    for timer_id in (1, 2, 3):
+        log.add(timer_id, 1)
+    assert not log.seen(1, 1) and log.seen(2, 1) and log.seen(3, 1)
+    assert not log.seen(3, 2)  # another attempt is another publish
