@@ -42,9 +42,9 @@ from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
-from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
+from durable.worker import housekeeping
 from durable.worker.firer import BatchOutcome, Firer, Readd
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
@@ -162,25 +162,9 @@ class Engine:
         self._started = True
 
     def _guard_connection(self, sender: Any, connection: Any, **kwargs: Any) -> None:
-        """Make PostgreSQL abort this loop's transactions left idle past twice the lease TTL.
-
-        A worker frozen (SIGSTOP, VM pause) inside a firing transaction holds its lease
-        row lock; other workers skip locked rows, so without this the shard would wait
-        for the frozen worker. Atomic handlers must therefore stay short; long work goes
-        to ``atomic=False`` handlers, which run outside the batch transaction.
-        """
-        if (
-            connection.alias != self.db
-            or connection.vendor != "postgresql"
-            or threading.get_ident() != self._loop_thread
-        ):
-            return
-        timeout_ms = max(5_000, int(self.conf.LEASE_TTL_S * 2000))
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-                [str(timeout_ms)],
-            )
+        """Guard this loop's own PostgreSQL session (see ``housekeeping.guard_session``)."""
+        if connection.alias == self.db and threading.get_ident() == self._loop_thread:
+            housekeeping.guard_session(connection, self.conf)
 
     def run(self, duration_s: float | None = None) -> None:
         """Loop until :meth:`stop` (or ``duration_s``), then shut down cleanly."""
@@ -398,40 +382,12 @@ class Engine:
                 runner.add(timer_id, fire_at)
 
     def _measure_offset(self) -> None:
-        """Set the clock's offset so that it never runs ahead of the database's clock.
-
-        The database's reading happened somewhere between ``before`` and ``after``; taking
-        ``db_now - after`` (not the midpoint) can only make the worker's clock lag the
-        database's, by at most one round trip, so "never early" holds. Of five samples the
-        one with the shortest round trip is kept; the connection is opened beforehand so
-        that connecting does not widen the window.
-        """
         self._next_offset_ms = self.clock.now_ms() + OFFSET_EVERY_MS
-        if not isinstance(self.clock, SystemClock):
-            return
-        if lease_store.database_now_ms(self.db) is None:  # also opens the connection
-            return
-        best: tuple[int, int] | None = None  # (round trip, offset)
-        for _ in range(5):
-            before = time.time_ns() // 1_000_000
-            db_now = lease_store.database_now_ms(self.db)
-            after = -(-time.time_ns() // 1_000_000)  # ceiling: keeps the offset a lower bound
-            assert db_now is not None
-            if best is None or after - before < best[0]:
-                best = (after - before, db_now - after)
-        self.clock.offset_ms = best[1]
+        housekeeping.measure_offset(self.clock, self.db)
 
     def _prune(self, now: int) -> None:
         self._next_prune_ms = now + PRUNE_EVERY_MS
-        cutoff = firing_store.retention_cutoff_ms(now, self.conf.RETENTION_DAYS)
-        total = 0
-        for _ in range(10):  # small batches, bounded per turn
-            deleted = firing_store.prune_finished(self.db, cutoff)
-            total += deleted
-            if deleted < 1000:
-                break
-        if total:
-            event(log, logging.INFO, "timers.pruned", rows=total, node=self.node)
+        housekeeping.prune(self.db, self.conf, now, self.node)
 
     def _on_database_error(self, exc: Exception, backoff: float) -> None:
         event(
