@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import durable
 from durable.dispatch.context import current_fire
@@ -56,3 +57,18 @@ def heartbeat(occurrence: durable.Occurrence) -> None:
         f"{late:>5} ms late",
         flush=True,
     )
+
+
+def announce(text: str) -> str:
+    """A workflow step with an outside effect (printing): at least once, recorded."""
+    print(f"  step   {text}", flush=True)
+    return text
+
+
+@durable.workflow
+def welcome(ctx: durable.WorkflowContext, name: str) -> str:
+    """A small workflow: a step, a durable 2 s sleep (no thread held), another step."""
+    ctx.step(announce, f"welcome {name}: first step")
+    ctx.sleep(timedelta(seconds=2))
+    ctx.step(announce, f"welcome {name}: after a durable 2 s sleep")
+    return name
