@@ -175,16 +175,6 @@ def live_node_names(db: str, now_ms: int, ttl_s: float) -> set[str]:
     return set(rows.values_list("name", flat=True))
 
 
-def live_node_count(db: str, now_ms: int, ttl_s: float) -> int:
-    """Workers that heart-beat within ``ttl_s`` and have not stopped."""
-    since = ms_to_dt(now_ms) - timedelta(seconds=ttl_s)
-    return (
-        WorkerNode.objects.using(db)
-        .filter(heartbeat_at__gte=since, stopped_at__isnull=True)
-        .count()
-    )
-
-
 def database_now_ms(db: str) -> int | None:
     """The database server's clock in epoch ms (PostgreSQL), or None when it has none."""
     conn = connections[db]
