@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import zlib
+from random import getrandbits
 
 
 def shard_for(routing_key: str, shards: int) -> int:
@@ -24,3 +25,12 @@ def bucket_of(fire_at_ms: int, bucket_shift: int) -> int:
 def bucket_start_ms(bucket: int, bucket_shift: int) -> int:
     """Return the first millisecond that falls in ``bucket``."""
     return bucket << bucket_shift
+
+
+def shard_of_timer(key: str | None, shards: int) -> int:
+    """Return a timer's shard: its key's shard, or a uniformly random one without a key.
+
+    A key routes the same way on every machine (so duplicates meet on one shard); keyless
+    timers are spread evenly with a random 128-bit routing key.
+    """
+    return shard_for(key if key is not None else f"{getrandbits(128):032x}", shards)

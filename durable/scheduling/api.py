@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from random import getrandbits
 from types import FunctionType
 from typing import Any
 
@@ -19,7 +18,7 @@ from django.db import transaction
 from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
-from durable.core.sharding import bucket_of, shard_for
+from durable.core.sharding import bucket_of, shard_of_timer
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.exceptions import TimerError, UnknownHandler
 from durable.models import Timer, TimerKind, TimerState
@@ -182,9 +181,7 @@ class _Planner:
             on_complete = self.handler(on_complete, v.label(where, "on_complete")).name
         parent = get("parent")
         return store.new_timer(
-            # A key routes the same way everywhere; without one, a random routing key
-            # spreads timers evenly over shards.
-            shard=shard_for(key if key is not None else f"{getrandbits(128):032x}", conf.SHARDS),
+            shard=shard_of_timer(key, conf.SHARDS),
             bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
             fire_at_ms=fire_at_ms,
             state=TimerState.PENDING,

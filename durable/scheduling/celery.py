@@ -11,7 +11,6 @@ worker publishes the task when it is due (:mod:`durable.dispatch.celery`).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from random import getrandbits
 from typing import Any
 
 from django.db import transaction
@@ -19,7 +18,7 @@ from django.db import transaction
 from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
-from durable.core.sharding import bucket_of, shard_for
+from durable.core.sharding import bucket_of, shard_of_timer
 from durable.dispatch.celery import OPTIONS_KEY
 from durable.models import Timer, TimerKind, TimerState
 from durable.scheduling import validation as v
@@ -87,8 +86,7 @@ def _plan(
         base_s=conf.BACKOFF_BASE_S, max_s=conf.BACKOFF_MAX_S
     )
     return store.new_timer(
-        # As schedule(): a key routes the same way everywhere, no key spreads evenly.
-        shard=shard_for(key if key is not None else f"{getrandbits(128):032x}", conf.SHARDS),
+        shard=shard_of_timer(key, conf.SHARDS),
         bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
         fire_at_ms=fire_at_ms,
         state=TimerState.PENDING,
