@@ -86,21 +86,31 @@ def renew(
 ) -> set[int]:
     """Extend the leases in ``held`` (shard → token); return the shards still ours.
 
-    One UPDATE per shard (each with its own cursor), in one transaction; a shard whose
-    row no longer carries our owner and token was taken over and is not returned.
+    One UPDATE for every shard (each row gets its own cursor), then one SELECT of the
+    rows that carry our owner and token, in one transaction: a shard not returned was
+    taken over. Two statements whatever the number of shards, because the worker renews
+    between firing batches, and 64 UPDATEs there were a 40 ms stall in the fire loop.
     """
+    if not held:
+        return set()
     expires = ms_to_dt(now_ms) + timedelta(seconds=ttl_s)
-    kept: set[int] = set()
-    with transaction.atomic(using=db):
-        for shard, token in held.items():
-            updated = (
-                ShardLease.objects.using(db)
-                .filter(shard=shard, owner=owner, token=token)
-                .update(expires_at=expires, cursor_ms=cursors.get(shard, 0))
-            )
-            if updated:
-                kept.add(shard)
-    return kept
+    conn = connections[db]
+    shards = sorted(held)
+    marks = ", ".join(["%s"] * len(shards))
+    case_of = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
+
+    def per_shard(values: Mapping[int, int]) -> list[int]:
+        return [v for shard in shards for v in (shard, values.get(shard, 0))]
+
+    ours = f"shard IN ({marks}) AND owner = %s AND token = {case_of}"
+    ours_params = [*shards, owner, *per_shard(held)]
+    with transaction.atomic(using=db), conn.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE durable_shardlease SET expires_at = %s, cursor_ms = {case_of} WHERE {ours}",
+            [conn.ops.adapt_datetimefield_value(expires), *per_shard(cursors), *ours_params],
+        )
+        cursor.execute(f"SELECT shard FROM durable_shardlease WHERE {ours}", ours_params)
+        return {shard for (shard,) in cursor.fetchall()}
 
 
 def release(db: str, shard: int, owner: str, token: int, cursor_ms: int) -> bool:
@@ -120,21 +130,41 @@ def fence(db: str, shard: int, token: int) -> None:
     makes a competing acquire wait until this transaction ends, so a fire either
     commits under a valid token or not at all. Raises :class:`LeaseLost`.
     """
-    conn = connections[db]
-    if not conn.in_atomic_block:
-        raise RuntimeError("fence() must run inside transaction.atomic()")
-    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
-    with conn.cursor() as cursor:
-        cursor.execute(f"SELECT token FROM durable_shardlease WHERE shard = %s{lock}", [shard])
-        row = cursor.fetchone()
-    if row is None or row[0] != token:
-        current = None if row is None else row[0]
+    stale = fence_shards(db, {shard: token})
+    if stale:
+        current = stale[shard]
         raise LeaseLost(
             f"lease of shard {shard} lost: token {token} is stale (now {current})",
             shard=shard,
             token=token,
             current_token=current,
         )
+
+
+def fence_shards(db: str, tokens: Mapping[int, int]) -> dict[int, int | None]:
+    """:func:`fence` for several shards in one statement; return the stale ones.
+
+    ``tokens`` maps shard → the token we hold. The lease rows are locked in shard order,
+    so two transactions fencing overlapping sets never deadlock. The lock is a share
+    lock: fencing transactions of the same worker (the fire loop, external completions,
+    workflow checkpoints) do not queue behind each other, while an acquire or renewal,
+    which updates the row, waits for all of them. The result maps each stale shard to
+    the token its row holds now (None when the row is missing); empty means all ours.
+    """
+    conn = connections[db]
+    if not conn.in_atomic_block:
+        raise RuntimeError("fence() must run inside transaction.atomic()")
+    shards = sorted(tokens)
+    lock = " FOR SHARE" if conn.features.has_select_for_update else ""
+    marks = ", ".join(["%s"] * len(shards))
+    with conn.cursor() as cursor:
+        cursor.execute(
+            f"SELECT shard, token FROM durable_shardlease WHERE shard IN ({marks})"
+            f" ORDER BY shard{lock}",
+            shards,
+        )
+        found = dict(cursor.fetchall())
+    return {s: found.get(s) for s in shards if found.get(s) != tokens[s]}
 
 
 # --- worker nodes -------------------------------------------------------------------
