@@ -9,7 +9,9 @@ one message in Celery's task protocol version 2, JSON-serialized, through kombu 
 The publish runs inside the worker's batch transaction, just before the batch commits
 the timers as fired, so 500 publishes share one fenced commit instead of paying a claim
 and a completion transaction each (the external ``atomic=False`` path managed about a
-hundred a second; see docs/benchmarks.md). It is at least once, never exactly
+hundred a second; see docs/benchmarks.md). The firer runs a batch's handlers inside
+:meth:`~durable.dispatch.broker.PublisherPool.deferred`, so on Redis the batch's
+messages go out in one pipelined flush before the commit. It is at least once, never exactly
 once: a crash or a failed commit after the broker took the message fires the timer
 again. The task id is derived from the timer id (``durable-<timer id>``), so such a
 second message carries the same id and can be recognised (and deduplicated by a task
@@ -148,17 +150,26 @@ def publish_task(task_name: str, *args: Any, **kwargs: Any) -> dict[str, str]:
     if sent.seen(fire.timer_id, fire.attempt):
         return {"task_id": task_id, "queue": queue}  # a re-run batch: it went out already
     message = task_message(task_name, list(args), kwargs, task_id=task_id)
-    publishers.publish(get_settings().BROKER_URL, message, direct_queue(queue))
-    sent.add(fire.timer_id, fire.attempt)
-    _event(
-        "celery.published",
-        timer=fire.timer_id,
-        task=task_name,
-        id=task_id,
-        queue=queue,
-        attempt=fire.attempt,
+    publishers.publish(
+        get_settings().BROKER_URL,
+        message,
+        direct_queue(queue),
+        on_sent=partial(_published, fire.timer_id, fire.attempt, task_name, queue),
     )
     return {"task_id": task_id, "queue": queue}
+
+
+def _published(timer_id: int, attempt: int, task_name: str, queue: str) -> None:
+    """The broker took the message: remember it (see :class:`SentLog`) and log it."""
+    sent.add(timer_id, attempt)
+    _event(
+        "celery.published",
+        timer=timer_id,
+        task=task_name,
+        id=task_id_for(timer_id),
+        queue=queue,
+        attempt=attempt,
+    )
 
 
 def resolve(task_name: str) -> HandlerSpec:

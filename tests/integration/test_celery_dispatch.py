@@ -17,7 +17,7 @@ from kombu import Connection
 
 import durable
 from durable.dispatch import celery as celery_kind
-from durable.dispatch.broker import publishers
+from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.exceptions import PayloadError
 from durable.models import Timer
 from durable.testing import ManualClock, override_clock
@@ -25,6 +25,7 @@ from durable.worker.engine import Engine
 
 START_MS = 1_900_000_000_000
 MEMORY = "memory://"
+REDIS = "redis://127.0.0.1:6379/14"  # a database of the machine's Redis no one else uses
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -252,3 +253,84 @@ def test_sent_log_is_bounded():
         log.add(timer_id, 1)
     assert not log.seen(1, 1) and log.seen(2, 1) and log.seen(3, 1)
     assert not log.seen(3, 2)  # another attempt is another publish
+
+
+# --- deferred publishing (Redis pipelines a firing batch's messages) -----------------------
+
+
+@pytest.fixture
+def redis_db():
+    """The machine's Redis, database 14, emptied before and after (skips if unreachable)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS, socket_connect_timeout=1)
+    try:
+        client.flushdb()
+    except redis.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    publishers.close()
+    yield client
+    publishers.close()
+    client.flushdb()
+
+
+def _message(n: int):
+    return celery_kind.task_message("t.deferred", [n], {}, task_id=f"durable-{n}")
+
+
+def test_deferred_publishes_reach_redis_together_at_the_end_of_the_block(redis_db):
+    queue = celery_kind.direct_queue("deferred")
+    took: list[int] = []
+    with publishers.deferred():
+        for n in range(3):
+            publishers.publish(REDIS, _message(n), queue, on_sent=lambda n=n: took.append(n))
+        assert redis_db.llen("deferred") == 0 and took == []  # held, not sent
+    assert redis_db.llen("deferred") == 3 and took == [0, 1, 2]
+
+
+def test_a_deferred_block_that_raises_sends_nothing(redis_db):
+    queue = celery_kind.direct_queue("deferred")
+    took: list[int] = []
+    with pytest.raises(RuntimeError, match="handler failed"), publishers.deferred():
+        publishers.publish(REDIS, _message(1), queue, on_sent=lambda: took.append(1))
+        raise RuntimeError("handler failed")
+    assert redis_db.llen("deferred") == 0 and took == []
+    publishers.publish(REDIS, _message(2), queue)  # the pool still works, at once again
+    assert redis_db.llen("deferred") == 1
+
+
+def test_a_publish_error_swallowed_inside_a_deferred_block_still_fails_it(redis_db):
+    queue = celery_kind.direct_queue("deferred")
+    took: list[int] = []
+    with pytest.raises(DeferredPublishError), publishers.deferred():
+        publishers.publish(REDIS, _message(1), queue, on_sent=lambda: took.append(1))
+        with pytest.raises(Exception):  # noqa: B017 - the transport's own error
+            publishers.publish("redis://127.0.0.1:1/0", _message(2), queue)
+    assert took == []  # nothing is reported sent when part of the block was lost
+
+
+def test_transports_that_cannot_batch_publish_at_once_inside_a_deferred_block():
+    queue = celery_kind.direct_queue("immediate")
+    took: list[int] = []
+    with publishers.deferred():
+        publishers.publish(MEMORY, _message(1), queue, on_sent=lambda: took.append(1))
+        assert took == [1] and len(_drain("immediate")) == 1
+
+
+def test_celery_timers_fired_together_on_redis_publish_once_each(clock, settings, redis_db):
+    from testproject.demo import probes
+
+    settings.DURABLE = {"SHARDS": 4, "RESCAN_INTERVAL_S": 1.0, "BROKER_URL": REDIS}
+    eng = Engine(node="redis-node", clock=clock, threads=1)
+    eng.start()
+    eng.tick()
+    try:
+        timers = [durable.schedule_celery("t.batch", args=[n]) for n in range(20)]
+        # A failing neighbour in the same batch: the fast path (one pipelined flush) is
+        # discarded and the careful redo publishes each message once.
+        durable.schedule(probes.fail_until, args=["redis-neighbour", 99], delay=timedelta(0))
+        _fire(eng, clock)
+        assert all(_state(t) == "fired" for t in timers)
+        assert redis_db.llen("celery") == 20
+    finally:
+        eng.executor.shutdown(wait=True)
