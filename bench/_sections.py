@@ -109,11 +109,9 @@ def lateness_section(b: Any) -> None:
     dl = _durable_steady(d, near, s.lat_seconds)
     pending = d.pending_count()
     shards = get_settings().SHARDS
-    # Evidence for the cause: the same load in fewer, larger fire transactions per loop
-    # turn, by fewer shards or by the grouped-firing prototype (bench/peers/grouped_engine).
-    grouped = _durable_steady(d, near, s.lat_seconds, grouped=True)
+    # For reference: the same load on one shard (a batch never spans shards there).
     fewer = {}
-    for count in (8, 1):
+    for count in (1,):
         with override_settings(DURABLE={**settings.DURABLE, "SHARDS": count}):
             fewer[count] = _durable_steady(d, near, s.lat_seconds)
     quiet_gc()
@@ -146,15 +144,6 @@ def lateness_section(b: Any) -> None:
             hit(dl.p99 <= 25 and dl.n == near),
         )
     )
-    r.add(
-        Row(
-            "lateness at 2,000/s",
-            f"PROTOTYPE engine firing several shards per transaction ({shards} shards)",
-            _lat(grouped),
-            target="p99 <= 25 ms",
-            verdict=hit(grouped.p99 <= 25 and grouped.n == near),
-        )
-    )
     for count, lat in fewer.items():
         r.add(
             Row(
@@ -170,7 +159,7 @@ def lateness_section(b: Any) -> None:
     )
 
 
-def _durable_steady(d: Any, near: int, seconds: int, *, grouped: bool = False) -> Lateness:
+def _durable_steady(d: Any, near: int, seconds: int) -> Lateness:
     """Pre-insert ``near`` timers 0.5 ms apart, start a worker, record every fire."""
     t0 = int(wall_ms()) + 8_000
     d.raw("DELETE FROM durable_timer WHERE state <> 'pending'")
@@ -178,7 +167,7 @@ def _durable_steady(d: Any, near: int, seconds: int, *, grouped: bool = False) -
     d.raw("ANALYZE durable_timer")
     d.raw("UPDATE durable_shardlease SET owner = '', expires_at = NULL")
     d.raw("TRUNCATE durable_workernode")
-    worker = d.EngineThread(grouped=grouped)
+    worker = d.EngineThread()
     d.RECORDER.reset()
     worker.start()
     wait_until(lambda: len(d.RECORDER) >= near, seconds + 8 + 60, 0.05)

@@ -145,11 +145,8 @@ class EngineThread:
     """``Engine.run()`` in a thread of this process: the real loop (leases, NOTIFY, rescans,
     wheel, fenced batches), with its handlers' lateness visible in :data:`RECORDER`."""
 
-    def __init__(self, node: str = "bench-worker", *, grouped: bool = False) -> None:
+    def __init__(self, node: str = "bench-worker") -> None:
         from durable.worker.engine import Engine
-
-        if grouped:  # the prototype of bench/peers/grouped_engine.py, not the shipped loop
-            from bench.peers.grouped_engine import GroupedEngine as Engine
 
         self.engine = Engine(node=node, threads=1)
         self.thread = threading.Thread(target=self._run, name="durable-engine", daemon=True)

@@ -175,7 +175,7 @@ def _settle(
         # Only results an on_complete reads are stored (as the worker does), so a
         # result the handler wrote itself (Django tasks) is not overwritten.
         results = {timer.pk: result} if result is not None else None
-        store.mark_fired(db, [timer.pk], shipment.token, now_ms, results)
+        store.mark_fired(db, [timer.pk], {timer.shard: shipment.token}, now_ms, results)
         create_followup(timer, {"status": "success", "value": result}, now_ms, using=db)
         return DONE
     text = sanitize_error(error)

@@ -15,7 +15,7 @@ keeps the statement text constant and the primary-key index in use.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -128,15 +128,16 @@ def _fetch(db: str, sql: str, params: list[Any]) -> list[tuple[int, int]]:
         return cursor.fetchall()
 
 
-def lock_due(db: str, shard: int, ids: Sequence[int], now_ms: int) -> list[DueTimer]:
-    """Lock and return those of ``ids`` that may fire now, oldest first.
+def lock_due(db: str, shards: Sequence[int], ids: Sequence[int], now_ms: int) -> list[DueTimer]:
+    """Lock and return those of ``ids`` in ``shards`` that may fire now, oldest first.
 
     A row may fire when it is still pending, or firing with an expired claim. Rows
-    cancelled, already fired, or moved to another shard are skipped silently: the wheel
-    holds ids only, and the row is the truth.
+    cancelled, already fired, or in a shard the caller did not fence are skipped
+    silently: the wheel holds ids only, and the row is the truth.
     """
     conn = connections[db]
     where, params = _ids_clause(conn.vendor, ids)
+    in_shards = ", ".join(["%s"] * len(shards))
     lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
     # "pending and due, or firing with an expired claim", spelled so that only the
     # primary key can serve the query (see _NOT_FINISHED): state in {pending, firing},
@@ -144,12 +145,12 @@ def lock_due(db: str, shard: int, ids: Sequence[int], now_ms: int) -> list[DueTi
     # fire_at_ms test keeps "never early" even if a row's time moved after the wheel
     # loaded its id; the rescan puts such an id back at its new time.
     sql = (
-        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND shard = %s "
+        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND shard IN ({in_shards}) "
         f"AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
         f"OR claim_expires_ms <= %s) ORDER BY fire_at_ms, id{lock}"
     )
     with conn.cursor() as cursor:
-        cursor.execute(sql, [*params, shard, *_FINISHED, _PENDING, now_ms, now_ms])
+        cursor.execute(sql, [*params, *shards, *_FINISHED, _PENDING, now_ms, now_ms])
         rows = cursor.fetchall()
     return list(map(DueTimer._make, rows))
 
@@ -170,12 +171,18 @@ def _ids_clause(vendor: str, ids: Sequence[int]) -> tuple[str, list[Any]]:
 
 
 def mark_fired(
-    db: str, ids: Iterable[int], token: int, now_ms: int, results: dict[int, Any] | None = None
+    db: str,
+    ids: Iterable[int],
+    tokens: Mapping[int, int],
+    now_ms: int,
+    results: dict[int, Any] | None = None,
 ) -> None:
     """Record successful fires (one UPDATE for all ids; results stored where given).
 
-    A pending row counts its attempt here; a firing row (an external handler) counted it
-    when it was claimed. ``updated_at`` is stamped because retention pruning goes by it.
+    ``tokens`` maps each shard the ids belong to → the fencing token the fire committed
+    under, stored as ``fired_token``: the proof of which owner fired a row. A pending
+    row counts its attempt here; a firing row (an external handler) counted it when it
+    was claimed. ``updated_at`` is stamped because retention pruning goes by it.
     """
     ids = list(ids)
     if not ids:
@@ -183,13 +190,23 @@ def mark_fired(
     conn = connections[db]
     where, params = _ids_clause(conn.vendor, ids)
     when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    shards = sorted(tokens)
+    token_of_shard = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
     with conn.cursor() as cursor:
         cursor.execute(
-            "UPDATE durable_timer SET state = %s, fired_token = %s, fired_at = %s, "
-            "updated_at = %s, claim_expires_ms = NULL, last_error = '', "
+            f"UPDATE durable_timer SET state = %s, fired_token = {token_of_shard}, "
+            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '', "
             "attempts = CASE WHEN state = %s THEN attempts + 1 ELSE attempts END "
             f"WHERE {where} AND {_NOT_FINISHED}",
-            [_FIRED, token, when, when, _PENDING, *params, *_FINISHED],
+            [
+                _FIRED,
+                *(v for shard in shards for v in (shard, tokens[shard])),
+                when,
+                when,
+                _PENDING,
+                *params,
+                *_FINISHED,
+            ],
         )
     for timer_id, result in (results or {}).items():
         Timer.objects.using(db).filter(id=timer_id).update(result=result)

@@ -39,13 +39,12 @@ from durable.core.clock import Clock, SystemClock
 from durable.dispatch import kinds
 from durable.dispatch.executors import EmbeddedExecutor
 from durable.dispatch.registry import HandlerRegistry, handlers
-from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
 from durable.worker import housekeeping
-from durable.worker.firer import BatchOutcome, Firer, Readd
+from durable.worker.firer import BatchOutcome, Firer, Readd, pack
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
 from durable.worker.logs import event
@@ -230,33 +229,31 @@ class Engine:
         return fired
 
     def _fire_due(self) -> int:
+        now = self.clock.now_ms()
+        work = [(runner, runner.due(now)) for runner in list(self.runners.values())]
+        behind: set[int] = set()  # shards with due timers left for the next turn
         fired = 0
-        size = self.conf.BATCH_SIZE
-        for shard in list(self.runners):
-            runner = self.runners.get(shard)
-            if runner is None:  # lost at a renewal between batches
-                continue
-            now = self.clock.now_ms()
-            ids = runner.due(now)
-            complete = True
-            for start in range(0, len(ids), size):
-                # A long turn must not let leases lapse: renew between batches.
-                self._renew_if_due()
-                if self.runners.get(shard) is not runner:
-                    break  # lost meanwhile; the new owner rebuilds from the rows
-                try:
-                    outcomes = self.firer.fire(runner, ids[start : start + size])
-                except LeaseLost as exc:
-                    self._drop(shard, reason=str(exc))
-                    break
-                for outcome in outcomes:
-                    fired += len(outcome.fired)
-                    complete = complete and not outcome.leftover
-                    self._record_batch(shard, outcome)
-            if complete:
+        for batch in pack(work, self.conf.BATCH_SIZE):
+            # A long turn must not let leases lapse: renew between batches.
+            self._renew_if_due()
+            # Shards lost meanwhile are left out; the new owner rebuilds from the rows.
+            batch = [(runner, ids) for runner, ids in batch if self._owns(runner)]
+            for shard, outcome in self.firer.fire(batch).items():
+                if outcome.lost:
+                    self._drop(shard, reason=outcome.lost)
+                    continue
+                fired += len(outcome.fired)
+                if outcome.leftover:
+                    behind.add(shard)
+                self._record_batch(shard, outcome)
+        for runner, _ in work:
+            if runner.shard not in behind and self._owns(runner):
                 runner.cursor_ms = now
         self.stats.fired += fired
         return fired
+
+    def _owns(self, runner: ShardRunner) -> bool:
+        return self.runners.get(runner.shard) is runner
 
     def _record_batch(self, shard: int, outcome: BatchOutcome) -> None:
         self.stats.errors += len(outcome.errors)

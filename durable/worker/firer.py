@@ -1,5 +1,9 @@
 """Fire due timers: one fenced transaction per batch.
 
+A batch holds up to ``BATCH_SIZE`` due timers of one or more shards; its transaction
+first fences every shard in it (:func:`durable.storage.leases.fence_shards`), so each
+row commits fired under its own shard's valid token or not at all.
+
 Atomic handlers run inside the batch transaction that marks them fired, so their effect
 on the app's database happens exactly once. The fast path runs a batch without savepoints
 (a savepoint per handler is two extra round trips and, past 64 per transaction, a
@@ -16,6 +20,7 @@ leaves the claim to expire, and the timer runs again (at least once).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -33,12 +38,14 @@ from durable.core.backoff import Backoff
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
 from durable.dispatch import executors
+from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
-from durable.storage.leases import fence
+from durable.storage.leases import fence, fence_shards
+from durable.storage.notify import Announced, collecting
 from durable.worker.logs import event
 from durable.worker.runner import ShardRunner
 
@@ -46,6 +53,10 @@ log = logging.getLogger("durable.worker")
 
 #: (shard, timer id, fire_at_ms) to put back in a wheel, from any thread.
 Readd = tuple[int, int, int]
+
+
+#: One batch of work: owned shards' runners, each with some of its due ids.
+Work = Sequence[tuple[ShardRunner, Sequence[int]]]
 
 
 class _Rollback(Exception):
@@ -57,9 +68,17 @@ class _Rollback(Exception):
         self.error = error
 
 
+class _Fenced(Exception):
+    """Some shards of the batch are no longer ours: roll back, redo without them."""
+
+    def __init__(self, stale: dict[int, int | None]) -> None:
+        super().__init__(stale)
+        self.stale = stale
+
+
 @dataclass(slots=True)
 class BatchOutcome:
-    """What one batch did; the engine turns it into metrics and wheel updates."""
+    """What one batch did in one shard; the engine turns it into metrics and wheel updates."""
 
     fired: list[tuple[store.DueTimer, Any]] = field(default_factory=list)
     errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
@@ -67,6 +86,8 @@ class BatchOutcome:
     leftover: list[store.DueTimer] = field(default_factory=list)
     readd: list[Readd] = field(default_factory=list)
     lateness_ms: list[int] = field(default_factory=list)
+    lost: str = ""
+    """Why the shard's lease was found lost (nothing fired), or empty."""
 
 
 class Firer:
@@ -104,39 +125,67 @@ class Firer:
 
     # -- batches -------------------------------------------------------------------------
 
-    def fire(self, runner: ShardRunner, ids: Sequence[int]) -> list[BatchOutcome]:
-        """Fire ``ids`` of ``runner``'s shard in batches; raises LeaseLost if fenced out."""
-        outcomes = []
-        size = self.conf.BATCH_SIZE
-        for start in range(0, len(ids), size):
-            chunk = ids[start : start + size]
+    def fire(self, work: Work) -> dict[int, BatchOutcome]:
+        """Fire one batch: due ids of one or more shards, in one fenced transaction.
+
+        Firing the due timers of many shards together is what keeps lateness low at a
+        steady rate: with 64 shards, a turn finds a timer or two in most of them, and a
+        transaction per shard would pay a commit (a WAL flush) for each. Keep a batch to
+        ``BATCH_SIZE`` ids in all (see :func:`pack`). Returns an outcome per shard; a
+        shard whose lease was lost gets one with ``lost`` set (nothing of it fired), and
+        the other shards of the batch still fire.
+        """
+        work = [(runner, ids) for runner, ids in work if ids]
+        lost: dict[int, str] = {}
+        outcomes: dict[int, BatchOutcome] = {}
+        while work:
             try:
-                outcome = self._batch(runner, chunk)
-            except _Rollback as failed:
-                # The careful redo records the known failure without calling that handler
-                # again; the handlers before it run again (their first effects rolled back).
-                outcome = self._batch(runner, chunk, failed={failed.timer_id: failed.error})
-            self._after_commit(runner, outcome)
-            outcomes.append(outcome)
-        return outcomes
+                try:
+                    outcomes, announced = self._batch(work)
+                except _Rollback as failed:
+                    # The careful redo records the known failure without calling that
+                    # handler again; those before it run again (first effects rolled back).
+                    outcomes, announced = self._batch(work, failed={failed.timer_id: failed.error})
+                except DeferredPublishError as exc:
+                    # Some messages may have gone out: the careful redo sends them again
+                    # (at least once; the task ids are the same).
+                    event(log, logging.WARNING, "batch.publish_failed", error=str(exc))
+                    outcomes, announced = self._batch(work, failed={})
+            except _Fenced as fenced:
+                for shard, current in fenced.stale.items():
+                    lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
+                work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
+                continue
+            self._after_commit({runner.shard: runner for runner, _ in work}, outcomes, announced)
+            break
+        return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
 
     def _batch(
-        self, runner: ShardRunner, ids: Sequence[int], *, failed: dict[int, Exception] | None = None
-    ) -> BatchOutcome:
+        self, work: Work, *, failed: dict[int, Exception] | None = None
+    ) -> tuple[dict[int, BatchOutcome], Announced]:
         """One fenced transaction. ``failed`` set means careful mode: a savepoint per handler."""
-        outcome = BatchOutcome()
+        runners = {runner.shard: runner for runner, _ in work}
+        outcomes = {shard: BatchOutcome() for shard in runners}
+        ids = [timer_id for _, chunk in work for timer_id in chunk]
         now_ms = self.clock.now_ms()
         deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
-        with transaction.atomic(using=self.db):
-            fence(self.db, runner.shard, runner.token)
-            for timer in store.lock_due(self.db, runner.shard, ids, now_ms):
-                if time.monotonic() > deadline:
-                    outcome.leftover.append(timer)  # budget spent: next batch takes it
-                    continue
-                outcome.lateness_ms.append(now_ms - timer.fire_at_ms)
-                self._run_one(timer, now_ms, runner.token, failed, outcome)
-            self._record(runner, outcome, now_ms)
-        return outcome
+        with transaction.atomic(using=self.db), collecting() as announced:
+            stale = fence_shards(self.db, {shard: r.token for shard, r in runners.items()})
+            if stale:
+                raise _Fenced(stale)
+            # Fast path: broker publishes (Celery timers) are held and sent in one flush
+            # before the commit; the careful redo publishes one by one, so that a failing
+            # publish is pinned on its own timer.
+            with publishers.deferred() if failed is None else contextlib.nullcontext():
+                for timer in store.lock_due(self.db, sorted(runners), ids, now_ms):
+                    out = outcomes[timer.shard]
+                    if time.monotonic() > deadline:
+                        out.leftover.append(timer)  # budget spent: next batch takes it
+                        continue
+                    out.lateness_ms.append(now_ms - timer.fire_at_ms)
+                    self._run_one(timer, now_ms, runners[timer.shard].token, failed, out)
+            self._record(runners, outcomes, now_ms)
+        return outcomes, announced
 
     def _run_one(
         self,
@@ -171,41 +220,62 @@ class Firer:
         except Exception as exc:
             out.errors.append((timer, exc))
 
-    def _record(self, runner: ShardRunner, out: BatchOutcome, now_ms: int) -> None:
-        results = {t.id: _json_value(v) for t, v in out.fired if t.on_complete}
-        store.mark_fired(self.db, [t.id for t, _ in out.fired], runner.token, now_ms, results)
-        for timer, _ in out.fired:
-            if timer.on_complete:
-                self._followup(
-                    timer, {"status": "success", "value": results[timer.id]}, now_ms, out
-                )
-        for timer, exc in out.errors:
-            self._retry_or_fail(timer, timer.attempts + 1, runner.token, exc, now_ms, out.readd)
-        if out.external:
+    def _record(
+        self, runners: dict[int, ShardRunner], outcomes: dict[int, BatchOutcome], now_ms: int
+    ) -> None:
+        fired = [pair for out in outcomes.values() for pair in out.fired]
+        results = {t.id: _json_value(v) for t, v in fired if t.on_complete}
+        tokens = {shard: runner.token for shard, runner in runners.items()}
+        store.mark_fired(self.db, [t.id for t, _ in fired], tokens, now_ms, results)
+        external: list[int] = []
+        for shard, out in outcomes.items():
+            for timer, _ in out.fired:
+                if timer.on_complete:
+                    self._followup(
+                        timer, {"status": "success", "value": results[timer.id]}, now_ms, out
+                    )
+            for timer, exc in out.errors:
+                token = runners[shard].token
+                self._retry_or_fail(timer, timer.attempts + 1, token, exc, now_ms, out.readd)
+            external.extend(t.id for t in out.external)
+        if external:
             claim_until = now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
-            store.claim(self.db, [t.id for t in out.external], claim_until)
+            store.claim(self.db, external, claim_until)
 
-    def _after_commit(self, runner: ShardRunner, out: BatchOutcome) -> None:
-        for shard, timer_id, fire_at in out.readd:
-            if shard == runner.shard:
+    def _after_commit(
+        self,
+        by_shard: dict[int, ShardRunner],
+        outcomes: dict[int, BatchOutcome],
+        announced: Announced,
+    ) -> None:
+        # Timers the batch scheduled (follow-ups, retries, next occurrences) enter their
+        # wheel now; those of shards not in this batch go through the engine's inbox.
+        readd = [item for out in outcomes.values() for item in out.readd] + announced
+        for shard, timer_id, fire_at in readd:
+            runner = by_shard.get(shard)
+            if runner is not None:
                 runner.add(timer_id, fire_at)
-        for timer in out.leftover:
-            runner.add(timer.id, timer.fire_at_ms)
-        for timer in out.external:
-            with self._lock:
-                self._in_flight += 1
-            run = self._ship if timer.kind in self.shipped else self._run_external
-            self.executor.submit(run, runner.shard, runner.token, timer)
-        for timer, exc in out.errors:
-            event(
-                log,
-                logging.WARNING,
-                "timer.error",
-                timer=timer.id,
-                target=timer.target,
-                attempt=timer.attempts + 1,
-                error=sanitize_error(exc),
-            )
+            else:
+                self.inbox.put((shard, timer_id, fire_at))
+        for shard, out in outcomes.items():
+            runner = by_shard[shard]
+            for timer in out.leftover:
+                runner.add(timer.id, timer.fire_at_ms)
+            for timer in out.external:
+                with self._lock:
+                    self._in_flight += 1
+                run = self._ship if timer.kind in self.shipped else self._run_external
+                self.executor.submit(run, shard, runner.token, timer)
+            for timer, exc in out.errors:
+                event(
+                    log,
+                    logging.WARNING,
+                    "timer.error",
+                    timer=timer.id,
+                    target=timer.target,
+                    attempt=timer.attempts + 1,
+                    error=sanitize_error(exc),
+                )
 
     # -- retries and follow-ups ---------------------------------------------------------
 
@@ -334,10 +404,38 @@ class Firer:
                 return
             result = _json_value(value) if timer.on_complete else None
             store.mark_fired(
-                self.db, [timer.id], token, now_ms, {timer.id: result} if result else None
+                self.db,
+                [timer.id],
+                {shard: token},
+                now_ms,
+                {timer.id: result} if result else None,
             )
             if timer.on_complete:
                 self._followup(timer, {"status": "success", "value": result}, now_ms, readd)
+
+
+def pack(work: Work, size: int) -> list[Work]:
+    """Cut the due ids of many shards into batches of at most ``size`` ids in all.
+
+    Shards keep their order and each shard's ids stay oldest first; a shard with more
+    than ``size`` due ids is split across consecutive batches.
+    """
+    batches: list[Work] = []
+    current: list[tuple[ShardRunner, Sequence[int]]] = []
+    room = size
+    for runner, ids in work:
+        start = 0
+        while start < len(ids):
+            take = ids[start : start + room]
+            current.append((runner, take))
+            start += len(take)
+            room -= len(take)
+            if room == 0:
+                batches.append(current)
+                current, room = [], size
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _context(

@@ -7,6 +7,7 @@ worker processes that resolve handlers by dotted name.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import durable
 from durable.dispatch.context import current_fire
@@ -58,3 +59,13 @@ def record_external(key: str) -> str:
 def outcome(timer_id: int, context: object, result: dict) -> None:
     """An ``on_complete`` target: records the follow-up it received."""
     FireRecord.objects.create(key=f"outcome:{context}:{result['status']}", fired_at_ms=_now_ms())
+
+
+@durable.handler
+def record_then_schedule(key: str, delay_ms: int) -> int:
+    """Write a row for ``key``, then schedule ``record(key + ":next")`` ``delay_ms`` later."""
+    record(key)
+    child = durable.schedule(
+        record, args=[f"{key}:next"], key=f"{key}:next", delay=timedelta(milliseconds=delay_ms)
+    )
+    return child.pk

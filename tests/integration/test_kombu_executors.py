@@ -60,7 +60,7 @@ def consumer(clock):
 def claim_and_ship(timer: Timer, clock: ManualClock) -> Shipment:
     """The worker's part: lock the due row, claim it, commit, ship a pointer to it."""
     with transaction.atomic():
-        [due] = store.lock_due("default", timer.shard, [timer.pk], clock.now_ms())
+        [due] = store.lock_due("default", [timer.shard], [timer.pk], clock.now_ms())
         store.claim("default", [due.id], clock.now_ms() + 300_000)
     shipment = Shipment(timer_id=timer.pk, attempt=due.attempts + 1, shard=due.shard, token=TOKEN)
     ship(shipment, MEMORY)

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 import durable
+from durable.core.sharding import shard_of_timer
 from durable.models import ShardLease, Timer, WorkerNode
 from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
+from durable.worker.firer import pack
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
@@ -256,3 +260,76 @@ def test_a_row_moved_later_after_loading_does_not_fire_early(engine, clock):
     engine.tick()
     engine.tick()
     assert keys("moved") == ["moved"]
+
+
+def _keys_in_every_shard(shards: int, per_shard: int) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {s: [] for s in range(shards)}
+    i = 0
+    while any(len(v) < per_shard for v in found.values()):
+        key = f"spread-{i}"
+        bucket = found[shard_of_timer(key, shards)]
+        if len(bucket) < per_shard:
+            bucket.append(key)
+        i += 1
+    return found
+
+
+def test_due_timers_of_several_shards_fire_in_one_fenced_transaction(engine, clock):
+    spread = _keys_in_every_shard(4, 3)
+    for keys_of_shard in spread.values():
+        for key in keys_of_shard:
+            durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
+    for runner in engine.runners.values():  # SQLite has no NOTIFY: load them now
+        runner.rescan(clock.now_ms())
+    clock.advance(1_000)
+    with CaptureQueriesContext(connection) as queries:
+        assert engine.tick() == 12
+    sql = [q["sql"] for q in queries.captured_queries]
+    fences = [s for s in sql if "FROM durable_shardlease WHERE shard IN" in s]
+    marks = [s for s in sql if s.startswith("UPDATE durable_timer SET state")]
+    assert len(fences) == 1 and len(marks) == 1, "one batch: one fence, one UPDATE"
+    assert keys("spread") == sorted(k for ks in spread.values() for k in ks)
+    for timer in Timer.objects.all():  # each row carries its own shard's token
+        assert timer.fired_token == engine.runners[timer.shard].token
+
+
+def test_a_lost_shard_leaves_the_rest_of_its_batch_firing(engine, clock):
+    spread = _keys_in_every_shard(4, 2)
+    for keys_of_shard in spread.values():
+        for key in keys_of_shard:
+            durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    ShardLease.objects.filter(shard=2).update(owner="other", token=999)
+    clock.advance(1_000)
+    assert engine.tick() == 6
+    assert keys("spread") == sorted(k for s, ks in spread.items() if s != 2 for k in ks)
+    assert set(Timer.objects.filter(state="pending").values_list("key", flat=True)) == set(
+        spread[2]
+    )
+    assert 2 not in engine.runners and sorted(engine.runners) == [0, 1, 3]
+
+
+def test_a_timer_scheduled_by_a_handler_enters_the_wheel_at_commit(engine, clock, settings):
+    durable.schedule(probes.record_then_schedule, args=["chain", 10], key="chain")
+    clock.advance(1_000)
+    engine.tick()
+    child = Timer.objects.get(key="chain:next")
+    # No NOTIFY was read (tick() does not listen) and no rescan was due: the firer put it
+    # in its shard's wheel itself, right after the batch committed.
+    engine._drain_inbox()
+    assert child.pk in engine.runners[child.shard].wheel
+    clock.advance(10)
+    engine.tick()
+    assert keys("chain") == ["chain", "chain:next"]
+
+
+def test_pack_cuts_batches_across_shards_and_splits_big_shards():
+    a, b, c = (SimpleNamespace(shard=s) for s in range(3))
+    work = [(a, [1, 2]), (b, [3, 4, 5, 6, 7]), (c, []), (a, [8])]
+    batches = pack(work, 3)
+    assert [[(r.shard, ids) for r, ids in batch] for batch in batches] == [
+        [(0, [1, 2]), (1, [3])],
+        [(1, [4, 5, 6])],
+        [(1, [7]), (0, [8])],
+    ]
