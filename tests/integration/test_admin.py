@@ -27,7 +27,6 @@ from durable.models import (
     WorkflowSignal,
     WorkflowStep,
 )
-from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
@@ -36,13 +35,6 @@ from testproject.demo.workflows import onboarding
 pytestmark = pytest.mark.django_db
 START_MS = 1_900_000_000_000
 HOUR = timedelta(hours=1)
-
-
-@pytest.fixture
-def clock():
-    manual = ManualClock(start_ms=START_MS)
-    with override_clock(manual):
-        yield manual
 
 
 @pytest.fixture

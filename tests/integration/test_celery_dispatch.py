@@ -20,7 +20,6 @@ from durable.dispatch import celery as celery_kind
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.exceptions import PayloadError
 from durable.models import Timer
-from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
 
 START_MS = 1_900_000_000_000
@@ -30,14 +29,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def clock():
-    clock = ManualClock(start_ms=START_MS)
-    with override_clock(clock):
-        yield clock
-
-
-@pytest.fixture
-def engine(clock, settings):
+def engine(start_engine, settings):
     settings.DURABLE = {
         "SHARDS": 4,
         "LEASE_TTL_S": 10.0,
@@ -47,11 +39,7 @@ def engine(clock, settings):
     }
     for name in ("celery", "priority"):
         _drain(name)
-    eng = Engine(node="test-node", clock=clock, threads=2)
-    eng.start()
-    eng.tick()
-    yield eng
-    eng.executor.shutdown(wait=True)
+    return start_engine(None)
 
 
 def _drain(queue: str) -> list:

@@ -26,7 +26,6 @@ from durable.scheduling import schedules
 from durable.scheduling.cron import sync_declared
 from durable.scheduling.specs import build_spec
 from durable.testing import ManualClock, override_clock
-from durable.worker.engine import Engine
 from testproject.demo.models import FireRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,13 +44,9 @@ def clock():
 
 
 @pytest.fixture
-def engine(clock, settings):
-    settings.DURABLE = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
-    eng = Engine(node="cron-node", clock=clock, threads=2)
-    eng.start()
-    eng.tick()
-    yield eng
-    eng.executor.shutdown(wait=True)
+def engine(start_engine):
+    settings = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
+    return start_engine(settings, node="cron-node")
 
 
 def step(engine, clock, ms=S, times=1):

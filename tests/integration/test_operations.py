@@ -12,7 +12,7 @@ import pytest
 from django.core.management import call_command
 
 import durable
-from durable.testing import ManualClock, override_clock
+from durable.testing import override_clock
 from durable.worker.engine import Engine
 from testproject.demo import probes
 
@@ -21,15 +21,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def engine(settings):
-    settings.DURABLE = {"SHARDS": 2, "RESCAN_INTERVAL_S": 1.0}
-    clock = ManualClock(start_ms=START_MS)
-    with override_clock(clock):
-        eng = Engine(node="ops-node", clock=clock, threads=1)
-        eng.start()
-        eng.tick()
-        yield eng, clock
-        eng.executor.shutdown(wait=True)
+def engine(start_engine, clock):
+    eng = start_engine({"SHARDS": 2, "RESCAN_INTERVAL_S": 1.0}, node="ops-node", threads=1)
+    return eng, clock
 
 
 def sample(engine, name, **labels):

@@ -22,8 +22,6 @@ from durable.tasks import (
     TaskResultStatus,
     _signals,
 )
-from durable.testing import ManualClock, override_clock
-from durable.worker.engine import Engine
 from testproject.demo.models import FireRecord
 
 START_MS = 1_900_000_000_000
@@ -32,20 +30,8 @@ BACKEND = "durable.tasks.DurableBackend"
 
 
 @pytest.fixture
-def clock():
-    clock = ManualClock(start_ms=START_MS)
-    with override_clock(clock):
-        yield clock
-
-
-@pytest.fixture
-def engine(clock, settings):
-    settings.DURABLE = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
-    eng = Engine(node="test-node", clock=clock, threads=2)
-    eng.start()
-    eng.tick()
-    yield eng
-    eng.executor.shutdown(wait=True)
+def engine(start_engine):
+    return start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0})
 
 
 @pytest.fixture

@@ -15,8 +15,6 @@ import durable
 from durable.exceptions import TimerError
 from durable.models import Timer
 from durable.scheduling import operations
-from durable.testing import ManualClock, override_clock
-from durable.worker.engine import Engine
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
@@ -26,20 +24,8 @@ S = 1_000
 
 
 @pytest.fixture
-def clock():
-    manual = ManualClock(start_ms=START_MS)
-    with override_clock(manual):
-        yield manual
-
-
-@pytest.fixture
-def engine(clock, settings):
-    settings.DURABLE = {"SHARDS": 2, "RESCAN_INTERVAL_S": 1.0}
-    eng = Engine(node="ops-node", clock=clock, threads=1)
-    eng.start()
-    eng.tick()
-    yield eng
-    eng.executor.shutdown(wait=True)
+def engine(start_engine):
+    return start_engine({"SHARDS": 2, "RESCAN_INTERVAL_S": 1.0}, node="ops-node", threads=1)
 
 
 def turn(engine, clock, ms=S):

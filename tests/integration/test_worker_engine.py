@@ -17,7 +17,6 @@ from django.test.utils import CaptureQueriesContext
 import durable
 from durable.core.sharding import shard_of_timer
 from durable.models import ShardLease, Timer, WorkerNode
-from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
 from durable.worker.firer import pack
 from testproject.demo import probes
@@ -28,22 +27,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def clock():
-    clock = ManualClock(start_ms=START_MS)
-    with override_clock(clock):
-        yield clock
-
-
-@pytest.fixture
-def engine(clock, settings):
-    settings.DURABLE = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
-    eng = Engine(node="test-node", clock=clock, threads=2)
+def engine(start_engine):
+    eng = start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0})
     eng.stats.keep_lateness = True
-    eng.start()
-    eng.tick()
     assert sorted(eng.runners) == [0, 1, 2, 3]
-    yield eng
-    eng.executor.shutdown(wait=True)
+    return eng
 
 
 def keys(prefix=""):

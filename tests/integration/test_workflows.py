@@ -23,7 +23,7 @@ from tests.integration import workflow_support as support
 from tests.integration.workflow_support import START_MS, records, wake_timers
 
 pytestmark = pytest.mark.django_db(transaction=True)
-clock, driver = support.clock, support.driver  # fixtures
+driver = support.driver  # fixture (clock: tests/integration/conftest.py)
 DAY = timedelta(days=1)
 
 

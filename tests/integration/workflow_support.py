@@ -10,13 +10,13 @@ time), which is why a turn advances the clock by a second by default.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 
 from durable.models import Timer, WorkflowRun
-from durable.testing import ManualClock, override_clock
+from durable.testing import ManualClock
 from durable.worker.engine import Engine
 from testproject.demo.models import FireRecord
 
@@ -65,29 +65,18 @@ class Driver:
 
 
 @pytest.fixture
-def clock() -> Iterator[ManualClock]:
-    """The manual clock the scheduling API and the engine both read."""
-    manual = ManualClock(start_ms=START_MS)
-    with override_clock(manual):
-        yield manual
-
-
-@pytest.fixture
-def driver(clock: ManualClock, settings) -> Iterator[Driver]:
+def driver(clock: ManualClock, start_engine) -> Driver:
     """A started engine owning all 4 shards, and its driver."""
-    settings.DURABLE = {
+    settings = {
         "SHARDS": 4,
         "LEASE_TTL_S": 3600.0,
         "RESCAN_INTERVAL_S": 1.0,
         "BACKOFF_BASE_S": 1.0,
         "BACKOFF_MAX_S": 60.0,
     }
-    engine = Engine(node="wf-test", clock=clock, threads=4)
-    engine.start()
-    engine.tick()
+    engine = start_engine(settings, node="wf-test", threads=4)
     assert sorted(engine.runners) == [0, 1, 2, 3]
-    yield Driver(engine, clock)
-    engine.executor.shutdown(wait=True)
+    return Driver(engine, clock)
 
 
 def records(prefix: str = "") -> list[str]:
