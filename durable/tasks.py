@@ -163,7 +163,7 @@ def _load(result_id: Any) -> Timer:
         timer_id = int(result_id)
     except (TypeError, ValueError):
         raise TaskResultDoesNotExist(f"no task result {result_id!r}") from None
-    timer = Timer.objects.using(get_settings().DATABASE).filter(pk=timer_id, kind=TASK_KIND).first()
+    timer = store.get_timer(get_settings().DATABASE, timer_id, kind=TASK_KIND)
     if timer is None:
         raise TaskResultDoesNotExist(f"no task result {result_id!r}")
     return timer
@@ -241,7 +241,9 @@ def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     if fire is None:
         raise RuntimeError("run_task() runs only when the worker fires a task timer")
     db = get_settings().DATABASE
-    timer = Timer.objects.using(db).get(pk=fire.timer_id)
+    timer = store.get_timer(db, fire.timer_id)
+    if timer is None:
+        raise RuntimeError(f"task timer {fire.timer_id} vanished while firing")
     task = _task_of(timer)
     record = dict(timer.result) if isinstance(timer.result, dict) else {}
     record.setdefault("started_ms", fire.fired_ms)
@@ -272,7 +274,7 @@ def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: st
     # record, and the re-run appends to it.
     if state != TimerState.PENDING:
         record["finished_ms"] = current_clock().now_ms()
-    Timer.objects.using(db).filter(pk=timer.pk).update(result=record)
+    store.store_result(db, timer.pk, record)
     # The signal shows what the result reads once the worker commits the completion.
     timer.result, timer.state = record, state
     backend = task.get_backend()

@@ -44,8 +44,9 @@ from durable.core.errors import sanitize_error
 from durable.dispatch.broker import Outgoing, direct_queue, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec
-from durable.models import Timer, TimerState
+from durable.models import Timer
 from durable.storage import firing as store
+from durable.storage import timers as timer_store
 from durable.storage.notify import notify_timers
 from durable.storage.timers import create_followup
 
@@ -154,10 +155,7 @@ def _execute_external(
 
 def _claimed(db: str, shipment: Shipment, *, lock: bool) -> Timer | None:
     """The timer if our claim (state firing, that attempt) stands; locked when asked."""
-    rows = Timer.objects.using(db).filter(
-        pk=shipment.timer_id, state=TimerState.FIRING, attempts=shipment.attempt
-    )
-    return (rows.select_for_update() if lock else rows).first()
+    return timer_store.claimed_timer(db, shipment.timer_id, shipment.attempt, lock=lock)
 
 
 def _settle(

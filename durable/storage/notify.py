@@ -40,22 +40,36 @@ class Notice:
 #: (shard, timer id, fire_at_ms) of the timers announced while :func:`collecting` is active.
 Announced = list[tuple[int, int, int]]
 
-_collector: ContextVar[Announced | None] = ContextVar("durable_announced", default=None)
+
+class _Collector:
+    """What a :func:`collecting` block announced, and the NOTIFY payloads it holds back."""
+
+    def __init__(self) -> None:
+        self.announced: Announced = []
+        self.held: dict[str, list[str]] = {}  # database alias -> payload parts
+
+
+_collector: ContextVar[_Collector | None] = ContextVar("durable_announced", default=None)
 
 
 @contextmanager
 def collecting() -> Iterator[Announced]:
-    """Collect the timers announced in this context (the firer, around one batch).
+    """Collect the timers announced in this block (the firer, around one batch).
 
-    The list may name timers whose transaction or savepoint rolled back afterwards:
-    whoever uses it must treat an id as a hint (the wheel does: the row is the truth).
+    Notifications are held and sent together when the block ends without an exception,
+    one ``pg_notify`` instead of one per timer; the block must end inside the
+    transaction that wrote the timers, so that they are still delivered at its commit.
+    The list may name timers whose savepoint rolled back afterwards: whoever uses it
+    must treat an id as a hint (the wheel does: the row is the truth).
     """
-    announced: Announced = []
-    token = _collector.set(announced)
+    collector = _Collector()
+    token = _collector.set(collector)
     try:
-        yield announced
+        yield collector.announced
     finally:
         _collector.reset(token)
+    for using, parts in collector.held.items():
+        _send(using, parts)
 
 
 def supports_notify(using: str) -> bool:
@@ -66,10 +80,14 @@ def supports_notify(using: str) -> bool:
 def notify_timers(using: str, timers: Iterable[tuple[int, int, int]]) -> None:
     """Announce ``(shard, id, fire_at_ms)`` timers in the current transaction."""
     timers = list(timers)
-    announced = _collector.get()
-    if announced is not None:
-        announced.extend(timers)
-    _send(using, [f"{shard},{tid},{fire_at}" for shard, tid, fire_at in timers])
+    parts = [f"{shard},{tid},{fire_at}" for shard, tid, fire_at in timers]
+    collector = _collector.get()
+    if collector is None:
+        _send(using, parts)
+        return
+    collector.announced.extend(timers)
+    if parts and supports_notify(using):
+        collector.held.setdefault(using, []).extend(parts)
 
 
 def notify_shards(using: str, shards: Iterable[int]) -> None:

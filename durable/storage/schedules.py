@@ -16,13 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.db import connections
-from django.db.models.constants import OnConflict
 
 from durable.conf import get_settings
 from durable.core.sharding import bucket_of, shard_for
 from durable.core.timeutil import ms_to_datetime
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
-from durable.storage.timers import announce, by_keys, new_timer
+from durable.storage.timers import announce, by_keys, insert_if_absent, new_timer
 
 # An occurrence timer only fails when durable's own code does (a user handler's error
 # is recorded on the schedule, not raised). Retry for hours rather than dead-letter it:
@@ -114,32 +113,12 @@ def insert_occurrence(
         backoff_base_s=OCCURRENCE_BACKOFF[0],
         backoff_max_s=OCCURRENCE_BACKOFF[1],
     )
-    if _insert_new(db, timer):
+    if insert_if_absent(db, timer):
         announce(db, [timer], now_ms)
         return timer
     existing = by_keys(db, [timer.key]).get(timer.key or "")
     assert existing is not None, f"occurrence key {timer.key} conflicts but is not found"
     return existing
-
-
-def _insert_new(db: str, timer: Timer) -> bool:
-    """``INSERT ... ON CONFLICT DO NOTHING RETURNING id``; False if the key exists.
-
-    One statement instead of the look-up, savepoint, insert and release that
-    ``insert_timer`` needs in general: this runs in every fire of every occurrence. It
-    goes through the ORM's insert query (what ``save()`` and ``bulk_create()`` use), so
-    columns, defaults and ``auto_now`` stamps stay Django's.
-    """
-    fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
-    rows = Timer.objects.using(db)._insert(
-        [timer], fields=fields, returning_fields=[Timer._meta.pk], on_conflict=OnConflict.IGNORE
-    )
-    if not rows or rows[0] is None:
-        return False
-    timer.pk = rows[0][0]
-    timer._state.adding = False
-    timer._state.db = db
-    return True
 
 
 def drop_occurrence(db: str, name: str, scheduled_ms: int) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django.db import IntegrityError, transaction
 from django.db.models.base import ModelState
+from django.db.models.constants import OnConflict
 from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
@@ -64,20 +65,36 @@ def insert_timer(db: str, timer: Timer) -> tuple[Timer, bool]:
     if timer.key is None:
         timer.save(using=db, force_insert=True)
         return timer, True
+    if insert_if_absent(db, timer):
+        return timer, True
+    # On PostgreSQL the unique index made us wait for a concurrent inserter, and its row
+    # is committed (visible to this next statement) by the time we get here.
     existing = by_keys(db, [timer.key]).get(timer.key)
-    if existing is not None:
-        return existing, False
-    try:
-        with transaction.atomic(using=db):
-            timer.save(using=db, force_insert=True)
-    except IntegrityError:
-        # Someone inserted the key since our read (on PostgreSQL: and committed, since
-        # the unique index made us wait). Any other integrity error has no such row.
-        existing = by_keys(db, [timer.key]).get(timer.key)
-        if existing is None:
-            raise
-        return existing, False
-    return timer, True
+    if existing is None:
+        # SQLite's INSERT OR IGNORE also skips a row that breaks NOT NULL or CHECK.
+        raise IntegrityError(f"timer with key {timer.key!r} was neither inserted nor found")
+    return existing, False
+
+
+def insert_if_absent(db: str, timer: Timer) -> bool:
+    """``INSERT ... ON CONFLICT DO NOTHING RETURNING id``; False if the key exists.
+
+    One statement instead of a look-up, a savepoint, the insert and its release: it runs
+    for every keyed schedule(), every follow-up and workflow wake-up, and every cron
+    occurrence's next timer, often inside a firing batch. It goes through the ORM's
+    insert query (what ``save()`` and ``bulk_create()`` use), so columns, defaults and
+    ``auto_now`` stamps stay Django's.
+    """
+    fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
+    rows = Timer.objects.using(db)._insert(
+        [timer], fields=fields, returning_fields=[Timer._meta.pk], on_conflict=OnConflict.IGNORE
+    )
+    if not rows or rows[0] is None:
+        return False
+    timer.pk = rows[0][0]
+    timer._state.adding = False
+    timer._state.db = db
+    return True
 
 
 def new_timer(**fields: Any) -> Timer:
@@ -141,6 +158,23 @@ def by_keys(db: str, keys: Iterable[str]) -> dict[str, Timer]:
     for chunk in _chunks(list(keys)):
         found.update((t.key, t) for t in Timer.objects.using(db).filter(key__in=chunk))
     return found
+
+
+def get_timer(db: str, timer_id: int, *, kind: str | None = None) -> Timer | None:
+    """The timer ``timer_id`` (of ``kind``, when given), or None."""
+    rows = Timer.objects.using(db).filter(pk=timer_id)
+    return (rows.filter(kind=kind) if kind is not None else rows).first()
+
+
+def claimed_timer(db: str, timer_id: int, attempt: int, *, lock: bool) -> Timer | None:
+    """The timer if a claim on ``attempt`` stands (state firing); row-locked when asked."""
+    rows = Timer.objects.using(db).filter(pk=timer_id, state=TimerState.FIRING, attempts=attempt)
+    return (rows.select_for_update() if lock else rows).first()
+
+
+def store_result(db: str, timer_id: int, result: Any) -> None:
+    """Overwrite the timer's ``result`` (a JSON value), nothing else."""
+    Timer.objects.using(db).filter(pk=timer_id).update(result=result)
 
 
 def missing_ids(db: str, ids: Iterable[int]) -> set[int]:
