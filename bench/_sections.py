@@ -183,8 +183,8 @@ def takeover_section(b: Any) -> None:
     """Real workers: A fires, is SIGKILLed; B waits for A's leases to expire, then catches up.
 
     The timers use the no-op handler; their fire time is the ``fired_at`` the firing
-    batch stamps on each row (the batch's start, at most one batch earlier than the
-    handler call), so the figure is the takeover's, not a handler's write speed.
+    batch stamps on each row (when the batch's handlers were done, just before its
+    commit), so the figure is the takeover's, not a handler's write speed.
     """
     from durable.conf import get_settings
 

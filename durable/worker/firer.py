@@ -226,7 +226,10 @@ class Firer:
         fired = [pair for out in outcomes.values() for pair in out.fired]
         results = {t.id: _json_value(v) for t, v in fired if t.on_complete}
         tokens = {shard: runner.token for shard, runner in runners.items()}
-        store.mark_fired(self.db, [t.id for t, _ in fired], tokens, now_ms, results)
+        # fired_at is when the batch's handlers were done (and its publishes flushed),
+        # not when it started: the row then says when the fire took effect.
+        done_ms = self.clock.now_ms()
+        store.mark_fired(self.db, [t.id for t, _ in fired], tokens, done_ms, results)
         external: list[int] = []
         for shard, out in outcomes.items():
             for timer, _ in out.fired:
