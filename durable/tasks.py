@@ -34,7 +34,6 @@ from django.utils.module_loading import import_string
 from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
-from durable.core.sharding import bucket_of, shard_of_timer
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import register_kind
@@ -107,11 +106,9 @@ class DurableBackend(BaseTaskBackend):
         now_ms = current_clock().now_ms()
         fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
         args, kwargs = v.check_payload(list(args), dict(kwargs), None, conf.MAX_PAYLOAD_BYTES)
-        timer = store.new_timer(
-            shard=shard_of_timer(None, conf.SHARDS),
-            bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+        timer = store.new_pending(
+            conf,
             fire_at_ms=fire_at_ms,
-            state=TimerState.PENDING,
             kind=TASK_KIND,
             target=task.module_path,
             args=args,

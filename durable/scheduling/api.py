@@ -18,10 +18,9 @@ from django.db import transaction
 from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
-from durable.core.sharding import bucket_of, shard_of_timer
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.exceptions import TimerError, UnknownHandler
-from durable.models import Timer, TimerKind, TimerState
+from durable.models import Timer, TimerKind
 from durable.scheduling import validation as v
 from durable.storage import timers as store
 from durable.storage.bulk import paused_gc
@@ -180,11 +179,9 @@ class _Planner:
         if on_complete is not None:
             on_complete = self.handler(on_complete, v.label(where, "on_complete")).name
         parent = get("parent")
-        return store.new_timer(
-            shard=shard_of_timer(key, conf.SHARDS),
-            bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+        return store.new_pending(
+            conf,
             fire_at_ms=fire_at_ms,
-            state=TimerState.PENDING,
             kind=TimerKind.HANDLER,
             target=spec.name,
             args=args,

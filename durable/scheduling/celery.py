@@ -18,9 +18,8 @@ from django.db import transaction
 from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
-from durable.core.sharding import bucket_of, shard_of_timer
 from durable.dispatch.celery import OPTIONS_KEY
-from durable.models import Timer, TimerKind, TimerState
+from durable.models import Timer, TimerKind
 from durable.scheduling import validation as v
 from durable.storage import timers as store
 
@@ -85,11 +84,9 @@ def _plan(
     policy = v.to_backoff(options["backoff"], conf.BACKOFF_MAX_S) or Backoff(
         base_s=conf.BACKOFF_BASE_S, max_s=conf.BACKOFF_MAX_S
     )
-    return store.new_timer(
-        shard=shard_of_timer(key, conf.SHARDS),
-        bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+    return store.new_pending(
+        conf,
         fire_at_ms=fire_at_ms,
-        state=TimerState.PENDING,
         kind=TimerKind.CELERY,
         target=name,
         args=args,

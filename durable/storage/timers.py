@@ -21,8 +21,8 @@ from django.db.models.constants import OnConflict
 from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
-from durable.conf import get_settings
-from durable.core.sharding import bucket_of
+from durable.conf import DurableSettings, get_settings
+from durable.core.sharding import bucket_of, shard_of_timer
 
 # The registry is plain data (no ORM, no Django); the follow-up takes its retry policy
 # from the on_complete handler's declaration, so storage reads it here.
@@ -95,6 +95,24 @@ def insert_if_absent(db: str, timer: Timer) -> bool:
     timer._state.adding = False
     timer._state.db = db
     return True
+
+
+def new_pending(
+    conf: DurableSettings, *, fire_at_ms: int, key: str | None = None, **fields: Any
+) -> Timer:
+    """An unsaved pending timer due at ``fire_at_ms``, routed by ``key``.
+
+    Its shard comes from the key (a random one without a key) and its bucket from the
+    due time: the columns every scheduling path derives the same way.
+    """
+    return new_timer(
+        shard=shard_of_timer(key, conf.SHARDS),
+        bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
+        fire_at_ms=fire_at_ms,
+        state=TimerState.PENDING,
+        key=key,
+        **fields,
+    )
 
 
 def new_timer(**fields: Any) -> Timer:
