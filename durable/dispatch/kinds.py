@@ -6,17 +6,27 @@ when their module is imported, and the firer dispatches on ``Timer.kind`` withou
 about them. A resolver returns a :class:`~durable.dispatch.registry.HandlerSpec`; the
 firer calls ``spec.fn(*timer.args, **timer.kwargs)``, inside the batch transaction when
 ``spec.atomic``.
+
+A kind may also register a *batch scope* (:func:`register_batch_scope`): a context
+manager the firer enters around the handlers of a batch on its fast path, given the
+batch's timers of that kind, so that work common to them (cron's locked read of its
+schedule rows, say) is done once per batch instead of once per timer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
 
 from durable.dispatch.registry import HandlerSpec, handlers
 
 Resolver = Callable[[str], HandlerSpec]
+#: ``scope(db, timers of the kind in the batch, now_ms)`` → a context manager.
+BatchScope = Callable[[str, Sequence[Any], int], AbstractContextManager[None]]
 
 _resolvers: dict[str, Resolver] = {"handler": handlers.resolve}
+_scopes: dict[str, BatchScope] = {}
 
 
 def register_kind(kind: str, resolver: Resolver) -> None:
@@ -27,3 +37,19 @@ def register_kind(kind: str, resolver: Resolver) -> None:
 def resolvers() -> dict[str, Resolver]:
     """Return a copy of the kind → resolver table."""
     return dict(_resolvers)
+
+
+def register_batch_scope(kind: str, scope: BatchScope) -> None:
+    """Enter ``scope`` around a batch's handlers when the batch holds timers of ``kind``."""
+    _scopes[kind] = scope
+
+
+@contextmanager
+def batch_scopes(db: str, timers: Sequence[Any], now_ms: int) -> Iterator[None]:
+    """Enter the registered scope of every kind present in ``timers`` (a firing batch)."""
+    with ExitStack() as stack:
+        for kind, scope in _scopes.items():
+            mine = [timer for timer in timers if timer.kind == kind]
+            if mine:
+                stack.enter_context(scope(db, mine, now_ms))
+        yield

@@ -8,7 +8,8 @@ The firer resolves a ``cron`` timer's target (the schedule's name) through
   lock the ``CronSchedule`` row, decide (:func:`durable.core.catchup.decide`), run the
   handler in a savepoint, record the run, insert the next occurrence's timer. One
   commit covers all of it, so the chain cannot break or fork, and a run's effect on the
-  database happens exactly once.
+  database happens exactly once. The occurrences of one batch share the locked read of
+  their rows and the writes (:mod:`durable.scheduling.together`).
 - **atomic=False** schedules run outside any transaction, at least once: a first
   transaction decides and sets a *running* marker, the handler runs, a second
   transaction records the run and inserts the next timer. The worker's claim on the
@@ -25,6 +26,8 @@ A handler that raises does not fail the timer: the error is recorded on the sche
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -37,9 +40,10 @@ from durable.core.catchup import Decision, Run, decide
 from durable.core.errors import sanitize_error
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import register_kind
+from durable.dispatch.kinds import register_batch_scope, register_kind
 from durable.dispatch.registry import HandlerSpec
 from durable.models import CronSchedule, TimerState
+from durable.scheduling import together
 from durable.scheduling.cron import Occurrence
 from durable.scheduling.specs import row_spec
 from durable.storage import schedules as store
@@ -152,7 +156,11 @@ def fire_atomic(
     """Fire occurrence ``scheduled_ms`` of an atomic schedule, in the caller's transaction."""
     db = get_settings().DATABASE
     now = _now()
-    row = store.lock(db, name)
+    batch = together.current()
+    row = batch.locked(name) if batch is not None else None
+    if row is None:  # not fired with its batch (or a schedule created since): one by one
+        batch = None
+        row = store.lock(db, name)
     if row is None or not _live(row, scheduled_ms):
         event(logging.DEBUG, "cron.stale", schedule=name, scheduled_ms=scheduled_ms)
         return {"stale": True}
@@ -171,8 +179,15 @@ def fire_atomic(
         duration = max(0, current_clock().now_ms() - started)
         _record(row, run.occurrence_ms, now + elapsed, status, error, duration)
         elapsed += duration
-    _advance(db, row, decision.next_ms, now, _next_backlog(decision))
-    store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
+    if batch is not None:
+        row.next_ms = decision.next_ms
+        batch.insert_later(
+            row, store.occurrence_timer(name, decision.next_ms, **_next_backlog(decision))
+        )
+        batch.save_later(row)
+    else:
+        _advance(db, row, decision.next_ms, now, _next_backlog(decision))
+        store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
     return {"ran": [run.occurrence_ms for run in decision.runs], "next_ms": row.next_ms}
 
 
@@ -340,6 +355,24 @@ def _note_skips(row: CronSchedule, decision: Decision) -> None:
         reason=decision.reason,
         policy=row.catch_up if decision.reason == "missed" else row.overlap,
     )
+
+
+def _batch_scope(db: str, timers: Sequence[Any], now_ms: int) -> AbstractContextManager[None]:
+    """The ``cron`` kind's batch scope: the batch's atomic occurrences fire together."""
+    names = [t.target for t in timers if _modes.get(t.target) is not False]
+    if not names:
+        return nullcontext()
+    return together.together(db, names, now_ms, partial(_advance_past_taken, db, now_ms))
+
+
+def _advance_past_taken(db: str, now_ms: int, row: CronSchedule, timer: Any) -> None:
+    """A held next timer's key was used already: move the row past it, one by one."""
+    event(logging.ERROR, "cron.key_taken", schedule=row.name, occurrence=timer.fire_at_ms)
+    next_ms = row_spec(row).recurrence().next_after(max(timer.fire_at_ms, now_ms))
+    _advance(db, row, next_ms, now_ms, {})
+
+
+register_batch_scope("cron", _batch_scope)
 
 
 def _advance(db: str, row: CronSchedule, next_ms: int, now: int, backlog: dict[str, Any]) -> None:

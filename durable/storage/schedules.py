@@ -95,11 +95,31 @@ def insert_occurrence(
 
     ``catch_up``/``until_ms``/``then_ms`` mark a timer of a decided ``fire_all`` backlog.
     """
+    timer = occurrence_timer(
+        name, scheduled_ms, catch_up=catch_up, until_ms=until_ms, then_ms=then_ms
+    )
+    if insert_if_absent(db, timer):
+        announce(db, [timer], now_ms)
+        return timer
+    existing = by_keys(db, [timer.key or ""]).get(timer.key or "")
+    assert existing is not None, f"occurrence key {timer.key} conflicts but is not found"
+    return existing
+
+
+def occurrence_timer(
+    name: str,
+    scheduled_ms: int,
+    *,
+    catch_up: bool | None = None,
+    until_ms: int | None = None,
+    then_ms: int | None = None,
+) -> Timer:
+    """The unsaved timer of occurrence ``scheduled_ms`` of schedule ``name``."""
     conf = get_settings()
     kwargs: dict[str, Any] = {"scheduled_ms": scheduled_ms}
     extra = {"catch_up": catch_up, "until_ms": until_ms, "then_ms": then_ms}
     kwargs.update((key, value) for key, value in extra.items() if value is not None)
-    timer = new_timer(
+    return new_timer(
         shard=shard_for(f"cron:{name}", conf.SHARDS),
         bucket=bucket_of(scheduled_ms, conf.BUCKET_SHIFT),
         fire_at_ms=scheduled_ms,
@@ -113,12 +133,6 @@ def insert_occurrence(
         backoff_base_s=OCCURRENCE_BACKOFF[0],
         backoff_max_s=OCCURRENCE_BACKOFF[1],
     )
-    if insert_if_absent(db, timer):
-        announce(db, [timer], now_ms)
-        return timer
-    existing = by_keys(db, [timer.key]).get(timer.key or "")
-    assert existing is not None, f"occurrence key {timer.key} conflicts but is not found"
-    return existing
 
 
 def drop_occurrence(db: str, name: str, scheduled_ms: int) -> bool:

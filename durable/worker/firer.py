@@ -37,7 +37,7 @@ from durable.conf import DurableSettings
 from durable.core.backoff import Backoff
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
-from durable.dispatch import executors
+from durable.dispatch import executors, kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
@@ -174,10 +174,16 @@ class Firer:
             if stale:
                 raise _Fenced(stale)
             # Fast path: broker publishes (Celery timers) are held and sent in one flush
-            # before the commit; the careful redo publishes one by one, so that a failing
-            # publish is pinned on its own timer.
-            with publishers.deferred() if failed is None else contextlib.nullcontext():
-                for timer in store.lock_due(self.db, sorted(runners), ids, now_ms):
+            # before the commit, and kinds do their batch-wide work once (cron locks all
+            # its schedule rows in one read); the careful redo goes one timer at a time,
+            # so that a failure is pinned on its own timer.
+            due = store.lock_due(self.db, sorted(runners), ids, now_ms)
+            fast = failed is None
+            with (
+                publishers.deferred() if fast else contextlib.nullcontext(),
+                kinds.batch_scopes(self.db, due, now_ms) if fast else contextlib.nullcontext(),
+            ):
+                for timer in due:
                     out = outcomes[timer.shard]
                     if time.monotonic() > deadline:
                         out.leftover.append(timer)  # budget spent: next batch takes it

@@ -15,7 +15,8 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 import durable
 from durable.core.cron import ms_to_wall, to_ms
@@ -25,6 +26,7 @@ from durable.models import CronSchedule, Timer
 from durable.scheduling import schedules
 from durable.scheduling.cron import sync_declared
 from durable.scheduling.specs import build_spec
+from durable.storage.schedules import occurrence_timer
 from durable.testing import ManualClock, override_clock
 from testproject.demo.models import FireRecord
 
@@ -262,6 +264,57 @@ def test_runs_of_a_slow_handler_never_overlap(engine, clock, overlap):
         if previous < occurrence <= previous + 2_500
     ]
     assert bool(waited) == (overlap == "queue"), (started, occurrences)
+
+
+# -- many occurrences due together ------------------------------------------------------
+
+
+def test_simultaneous_occurrences_share_one_locked_read_one_insert_and_one_update(engine, clock):
+    names = [f"pulse-{i}" for i in range(10)]
+    for name in names:
+        schedules.create(name, RECORD, every=timedelta(seconds=1))
+    step(engine, clock)  # the first occurrences (this process learns each schedule's mode)
+    clock.advance(S)
+    with CaptureQueriesContext(connection) as queries:
+        engine.tick()
+    sql = [q["sql"] for q in queries.captured_queries]
+    cron = [s for s in sql if "durable_cronschedule" in s]
+    assert len([s for s in cron if s.startswith("SELECT") and "FOR UPDATE" in s.upper()]) <= 1
+    assert len([s for s in cron if s.startswith("SELECT")]) == 1
+    updates = [s for s in cron if s.startswith("UPDATE")]
+    assert len(updates) == (1 if connection.vendor == "postgresql" else len(names))
+    inserts = [s for s in sql if s.startswith("INSERT") and '"durable_timer"' in s.split("(")[0]]
+    assert len(inserts) == 1, inserts
+    for name in names:
+        assert runs(name) == [(START + S, False), (START + 2 * S, False)]
+        assert pending(name) == [START + 3 * S]
+        schedule = row(name)
+        assert (schedule.fired_count, schedule.next_ms) == (2, START + 3 * S)
+        assert to_ms(schedule.next_at) == START + 3 * S
+
+
+def test_one_failing_handler_among_simultaneous_occurrences_fails_only_its_run(engine, clock):
+    schedules.create("ok-1", RECORD, every=timedelta(seconds=1))
+    schedules.create("bad", "testproject.demo.crons.fail", every=timedelta(seconds=1))
+    schedules.create("ok-2", RECORD, every=timedelta(seconds=1))
+    step(engine, clock, times=2)
+    assert (row("bad").failed_count, row("bad").last_status) == (2, "failed")
+    for name in ("ok-1", "ok-2"):
+        assert (row(name).fired_count, row(name).last_status) == (2, "succeeded")
+    for name in ("ok-1", "bad", "ok-2"):
+        assert pending(name) == [START + 3 * S]
+
+
+def test_a_next_occurrence_whose_key_was_used_is_skipped_past(engine, clock):
+    schedules.create("taken", RECORD, every=timedelta(seconds=1))
+    used = occurrence_timer("taken", START + 2 * S)
+    used.state = "fired"
+    used.save()
+    step(engine, clock)
+    assert runs("taken") == [(START + S, False)]
+    assert row("taken").next_ms == START + 3 * S and pending("taken") == [START + 3 * S]
+    step(engine, clock, times=2)
+    assert runs("taken") == [(START + S, False), (START + 3 * S, False)]
 
 
 # -- failures and stale timers ----------------------------------------------------------
