@@ -362,7 +362,13 @@ def _batch_scope(db: str, timers: Sequence[Any], now_ms: int) -> AbstractContext
     names = [t.target for t in timers if _modes.get(t.target) is not False]
     if not names:
         return nullcontext()
-    return together.together(db, names, now_ms, partial(_advance_past_taken, db, now_ms))
+    return together.together(
+        db,
+        names,
+        now_ms,
+        fields=RUN_FIELDS + CHAIN_FIELDS,
+        advance=partial(_advance_past_taken, db, now_ms),
+    )
 
 
 def _advance_past_taken(db: str, now_ms: int, row: CronSchedule, timer: Any) -> None:

@@ -12,10 +12,11 @@ lives on one shard and moves with its lease.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connections
+from django.utils import timezone
 
 from durable.conf import get_settings
 from durable.core.sharding import bucket_of, shard_for
@@ -58,6 +59,12 @@ def declared_names(db: str) -> list[str]:
         declaration__isnull=False,
     )
     return list(rows.order_by("name").values_list("name", flat=True))
+
+
+def lock_many(db: str, names: Sequence[str]) -> dict[str, CronSchedule]:
+    """Lock schedules ``names`` for update, in name order (no deadlock between batches)."""
+    rows = CronSchedule.objects.using(db).select_for_update().filter(name__in=sorted(set(names)))
+    return {row.name: row for row in rows.order_by("name")}
 
 
 def insert(db: str, row: CronSchedule) -> CronSchedule:
@@ -160,3 +167,41 @@ def occurrence_state(db: str, name: str, scheduled_ms: int) -> str | None:
     """State of the timer of occurrence ``scheduled_ms`` (None if there is no such row)."""
     found = Timer.objects.using(db).filter(key=occurrence_key(name, scheduled_ms))
     return next(iter(found.values_list("state", flat=True)), None)
+
+
+def save_many(db: str, rows: list[CronSchedule], fields: Sequence[str]) -> None:
+    """:func:`save` for many locked rows, the same ``fields`` of each, in one statement.
+
+    ``UPDATE ... FROM (VALUES ...)`` on PostgreSQL; one save per row elsewhere.
+    """
+    if not rows:
+        return
+    connection = connections[db]
+    if connection.vendor != "postgresql" or len(rows) == 1:
+        for row in rows:
+            save(db, row, fields)
+        return
+    names = sorted({*fields, "updated_at"} | ({"next_at"} if "next_ms" in fields else set()))
+    now = timezone.now()
+    for row in rows:
+        row.next_at = None if row.next_ms is None else ms_to_datetime(row.next_ms)
+        row.updated_at = now
+    columns = [CronSchedule._meta.get_field(name) for name in names]
+    pk = CronSchedule._meta.pk
+    casts = [f"%s::{pk.db_type(connection)}"]
+    casts += [f"%s::{column.db_type(connection)}" for column in columns]
+    values = ", ".join(f"({', '.join(casts)})" for _ in rows)
+    params: list[Any] = []
+    for row in rows:
+        params.append(pk.get_db_prep_save(row.pk, connection))
+        params += [c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns]
+    quote = connection.ops.quote_name
+    aliases = ["pk_", *(c.column for c in columns)]
+    sets = ", ".join(f"{quote(c.column)} = v.{quote(c.column)}" for c in columns)
+    sql = (
+        f"UPDATE {quote(CronSchedule._meta.db_table)} AS t SET {sets} "
+        f"FROM (VALUES {values}) AS v({', '.join(quote(a) for a in aliases)}) "
+        f"WHERE t.{quote(pk.column)} = v.{quote('pk_')}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)

@@ -178,6 +178,32 @@ def by_keys(db: str, keys: Iterable[str]) -> dict[str, Timer]:
     return found
 
 
+def insert_many_if_absent(db: str, timers: list[Timer]) -> set[str]:
+    """:func:`insert_if_absent` for keyed timers in one statement; return the keys that were new."""
+    if not timers:
+        return set()
+    fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
+    key_field = Timer._meta.get_field("key")
+    rows = Timer.objects.using(db)._insert(
+        timers,
+        fields=fields,
+        returning_fields=[Timer._meta.pk, key_field],
+        on_conflict=OnConflict.IGNORE,
+    )
+    by_key = {timer.key: timer for timer in timers}
+    new: set[str] = set()
+    for returned in rows or []:
+        if returned is None:  # one timer, and its key was taken
+            continue
+        pk, key = returned
+        timer = by_key[key]
+        timer.pk = pk
+        timer._state.adding = False
+        timer._state.db = db
+        new.add(key)
+    return new
+
+
 def get_timer(db: str, timer_id: int, *, kind: str | None = None) -> Timer | None:
     """The timer ``timer_id`` (of ``kind``, when given), or None."""
     rows = Timer.objects.using(db).filter(pk=timer_id)
