@@ -10,7 +10,10 @@ firer calls ``spec.fn(*timer.args, **timer.kwargs)``, inside the batch transacti
 A kind may also register a *batch scope* (:func:`register_batch_scope`): a context
 manager the firer enters around the handlers of a batch on its fast path, given the
 batch's timers of that kind, so that work common to them (cron's locked read of its
-schedule rows, say) is done once per batch instead of once per timer.
+schedule rows, say) is done once per batch instead of once per timer. Inside a scope a
+handler may skip its own savepoint and raise :class:`RedoCarefully` when it fails: the
+firer then rolls the batch back and runs it again one timer at a time, each in a
+savepoint, outside any scope.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ Resolver = Callable[[str], HandlerSpec]
 BatchScope = Callable[[str, Sequence[Any], int], AbstractContextManager[None]]
 
 _resolvers: dict[str, Resolver] = {"handler": handlers.resolve}
+
+
+class RedoCarefully(Exception):
+    """Raised by a handler on a batch's fast path: redo the batch one timer at a time.
+
+    Unlike any other exception from a handler, it does not count as a failure of the
+    timer: in the careful redo the handler runs again, in a savepoint, and decides for
+    itself what its failure means (cron records it on the schedule, say).
+    """
+
+
 _scopes: dict[str, BatchScope] = {}
 
 

@@ -40,7 +40,7 @@ from durable.core.catchup import Decision, Run, decide
 from durable.core.errors import sanitize_error
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import register_batch_scope, register_kind
+from durable.dispatch.kinds import RedoCarefully, register_batch_scope, register_kind
 from durable.dispatch.registry import HandlerSpec
 from durable.models import CronSchedule, TimerState
 from durable.scheduling import together
@@ -175,7 +175,7 @@ def fire_atomic(
         # the worker's database-corrected clock, which a handler cannot read.
         occurrence = _occurrence(row.name, row.timezone, run, now + elapsed)
         started = current_clock().now_ms()
-        status, error = _call(db, row.handler, occurrence, atomic=True)
+        status, error = _call(db, row.handler, occurrence, atomic=True, together=batch is not None)
         duration = max(0, current_clock().now_ms() - started)
         _record(row, run.occurrence_ms, now + elapsed, status, error, duration)
         elapsed += duration
@@ -301,15 +301,31 @@ def _finish_external(
     store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
 
 
-def _call(db: str, path: str, occurrence: Occurrence, *, atomic: bool) -> tuple[str, str]:
-    """Run the schedule's function; return ``(status, sanitized error)``, never raise."""
+def _call(
+    db: str, path: str, occurrence: Occurrence, *, atomic: bool, together: bool = False
+) -> tuple[str, str]:
+    """Run the schedule's function; return ``(status, sanitized error)``.
+
+    Never raises, except with ``together`` (an atomic occurrence fired with its batch):
+    then the function runs without a savepoint of its own, two round trips saved per
+    occurrence, and a failure raises :class:`RedoCarefully`, so that the firer rolls the
+    batch back and fires its occurrences again one by one, each in a savepoint, where
+    this failure is recorded on the schedule as usual.
+    """
     try:
         fn = import_string(path)
-        if atomic:
+        if atomic and together:
+            try:
+                fn(occurrence)
+            except Exception as exc:
+                raise RedoCarefully(f"schedule {occurrence.schedule!r} failed") from exc
+        elif atomic:
             with transaction.atomic(using=db):  # its own savepoint: a failure undoes only it
                 fn(occurrence)
         else:
             fn(occurrence)
+    except RedoCarefully:
+        raise
     except Exception as exc:
         error = sanitize_error(exc)
         event(

@@ -151,6 +151,8 @@ class Firer:
                     # (at least once; the task ids are the same).
                     event(log, logging.WARNING, "batch.publish_failed", error=str(exc))
                     outcomes, announced = self._batch(work, failed={})
+                except kinds.RedoCarefully:
+                    outcomes, announced = self._batch(work, failed={})
             except _Fenced as fenced:
                 for shard, current in fenced.stale.items():
                     lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
@@ -214,6 +216,8 @@ class Firer:
             try:
                 with firing(ctx):
                     out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
+            except kinds.RedoCarefully:
+                raise
             except Exception as exc:
                 raise _Rollback(timer.id, exc) from exc
             return

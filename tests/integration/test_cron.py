@@ -301,6 +301,9 @@ def test_one_failing_handler_among_simultaneous_occurrences_fails_only_its_run(e
     assert (row("bad").failed_count, row("bad").last_status) == (2, "failed")
     for name in ("ok-1", "ok-2"):
         assert (row(name).fired_count, row(name).last_status) == (2, "succeeded")
+        # The batch was rolled back and redone one occurrence at a time: effects once.
+        assert runs(name) == [(START + S, False), (START + 2 * S, False)]
+    assert FireRecord.objects.filter(key__startswith="bad").count() == 0
     for name in ("ok-1", "bad", "ok-2"):
         assert pending(name) == [START + 3 * S]
 
