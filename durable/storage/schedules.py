@@ -22,7 +22,7 @@ from durable.conf import get_settings
 from durable.core.sharding import bucket_of, shard_for
 from durable.core.timeutil import ms_to_datetime
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
-from durable.storage.timers import announce, by_keys, insert_if_absent, new_timer
+from durable.storage.timers import announce, insert_timer, new_timer
 
 # An occurrence timer only fails when durable's own code does (a user handler's error
 # is recorded on the schedule, not raised). Retry for hours rather than dead-letter it:
@@ -105,12 +105,10 @@ def insert_occurrence(
     timer = occurrence_timer(
         name, scheduled_ms, catch_up=catch_up, until_ms=until_ms, then_ms=then_ms
     )
-    if insert_if_absent(db, timer):
+    timer, created = insert_timer(db, timer)
+    if created:
         announce(db, [timer], now_ms)
-        return timer
-    existing = by_keys(db, [timer.key or ""]).get(timer.key or "")
-    assert existing is not None, f"occurrence key {timer.key} conflicts but is not found"
-    return existing
+    return timer
 
 
 def occurrence_timer(
