@@ -335,7 +335,11 @@ class WorkflowStep(models.Model):
     ``waiting`` (a sleep, signal or child not finished; ``wake_ms`` is its deadline).
     """
 
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: the (run, seq) unique constraint serves every lookup by run,
+    # and each step insert (the hot path) maintains one index fewer.
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.CASCADE, related_name="steps", db_index=False
+    )
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=12)
     name = models.CharField(max_length=255)

@@ -169,9 +169,28 @@ class DatabaseBackend:
         except PayloadError as exc:
             return self._failed(call, exc, final=True)
         record = _done(call, result)
-        with self.checkpoint(hold_first=False):
-            self.write(record)
+        self._pending[record.seq] = record
+        if not self._record_fast():
+            with self.checkpoint(hold_first=False):
+                pass  # writes the pending records, this step's among them
         return record
+
+    def _record_fast(self) -> bool:
+        """Write the pending records in one statement, if they are all new (PostgreSQL).
+
+        True when done; False when the general checkpoint must do it (another database,
+        or a pending record that updates an earlier one, such as a settled sleep).
+        """
+        if not cp.is_postgres(self.db) or any(seq in self._known for seq in self._pending):
+            return False
+        ordered = sorted(self._pending.items())
+        rows = [asdict(record) for _, record in ordered]
+        if not cp.record_steps(self.db, self.run_id, self.lease, rows, self.now_ms()):
+            self._pending.clear()
+            raise RunStopped(f"run {self.run_id} is no longer running")
+        self._known.update(ordered)
+        self._pending.clear()
+        return True
 
     def _run_atomic(self, call: StepCall) -> Record:
         record = _done(call, None)
