@@ -36,6 +36,11 @@ class FireContext:
     """The worker's :class:`durable.metrics.WorkerMetrics`, for code that times its own
     work (workflow steps); ``None`` outside a worker."""
 
+    completed: list[bool] = field(default_factory=list, repr=False, compare=False)
+    """Non-empty once an external handler marked its own timer fired, in its last
+    transaction (:func:`durable.storage.firing.complete_claim`): the firer then has
+    nothing left to complete."""
+
     @property
     def idempotency_key(self) -> str:
         """A key stable across retries and re-runs of this timer: ``"durable:timer:<id>"``."""

@@ -29,10 +29,10 @@ from durable.storage.leases import ms_to_dt
 
 STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "wake_ms")
 ACTIVE = WorkflowRun.ACTIVE_STATES
-_RUN_FIELDS = ("name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id")
+RUN_FIELDS = ("name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id")
 _ASYNC = "set_config('synchronous_commit', 'off', true)"
 # The run's history as one JSON array, in RETURNING (the row being updated is the run).
-_HISTORY = (
+HISTORY_SQL = (
     "(SELECT coalesce(json_agg(json_build_object('seq', s.seq, 'kind', s.kind, 'name', s.name, "
     "'status', s.status, 'result', s.result, 'error', s.error, 'attempts', s.attempts, "
     "'wake_ms', s.wake_ms) ORDER BY s.seq), '[]') FROM durable_workflowstep s "
@@ -70,11 +70,11 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
     On PostgreSQL one statement: the history comes back in the same row, as JSON.
     """
     connection = connections[db]
-    extra = f", {_HISTORY}, {_ASYNC}" if is_postgres(db) else ""
+    extra = f", {HISTORY_SQL}, {_ASYNC}" if is_postgres(db) else ""
     placeholders = ", ".join(["%s"] * len(ACTIVE))
     sql = (
         "UPDATE durable_workflowrun SET state = %s, replays = replays + 1, updated_at = %s "
-        f"WHERE id = %s AND state IN ({placeholders}) RETURNING {', '.join(_RUN_FIELDS)}{extra}"
+        f"WHERE id = %s AND state IN ({placeholders}) RETURNING {', '.join(RUN_FIELDS)}{extra}"
     )
     when = connection.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
     with connection.cursor() as cursor:
@@ -82,9 +82,9 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    name, shard, args, kwargs, model_label, object_pk, parent_id = row[: len(_RUN_FIELDS)]
+    name, shard, args, kwargs, model_label, object_pk, parent_id = row[: len(RUN_FIELDS)]
     if extra:
-        steps = _json(row[len(_RUN_FIELDS)])
+        steps = _json(row[len(RUN_FIELDS)])
     else:
         rows = WorkflowStep.objects.using(db).filter(run_id=run_id).order_by("seq")
         steps = list(rows.values(*STEP_FIELDS))
@@ -159,12 +159,18 @@ def _insert_sql(run: str, source: str, count: int) -> str:
     )
 
 
+def jsonb(value: Any) -> str | None:
+    """``value`` as a parameter for a ``::jsonb`` placeholder (None is SQL NULL, as the ORM
+    stores it)."""
+    return None if value is None else json.dumps(value)
+
+
 def _row_params(inserts: Sequence[dict[str, Any]]) -> list[Any]:
     return [
         value
         for step in inserts
         for value in (
-            step["seq"], step["kind"], step["name"], step["status"], json.dumps(step["result"]),
+            step["seq"], step["kind"], step["name"], step["status"], jsonb(step["result"]),
             step["error"], step["attempts"], step["wake_ms"],
         )
     ]  # fmt: skip
@@ -224,38 +230,114 @@ def record_steps(
     (writing nothing) when the run no longer runs; raises
     :class:`~durable.exceptions.LeaseLost` when ``lease`` (shard, token) is stale.
     """
-    connection = connections[db]
-    when = connection.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    found, _ = _run_statement(db, run_id, lease, "updated_at = %s", [when], inserts, when)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The claimed wake-up timer a replay may mark fired in its last statement."""
+
+    timer_id: int
+    attempts: int
+    token: int
+
+
+def finish_run(
+    db: str,
+    run_id: str,
+    lease: tuple[int, int] | None,
+    end: tuple[str, Any, str],
+    inserts: Sequence[dict[str, Any]],
+    claim: Claim | None,
+    now_ms: int,
+) -> tuple[bool, bool]:
+    """End a run in one statement of its own (PostgreSQL only), synchronously committed.
+
+    ``end`` is (state, result, error). Fences like :func:`record_steps`, writes the
+    pending step records, and marks the claimed wake-up timer fired (see
+    :func:`durable.storage.firing.complete_claim`). Returns (ended, timer marked); ended
+    False means the run no longer runs and nothing was written.
+    """
+    when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    state, result, error = end
+    set_sql = (
+        "state = %s, result = %s::jsonb, error = %s, wait_signal = '', wait_seq = NULL, "
+        "finished_at = %s, updated_at = %s"
+    )
+    fired_cte, fired_params = "", []
+    if claim is not None:
+        fired_cte = (
+            ", fired AS (UPDATE durable_timer SET state = 'fired', fired_token = %s, "
+            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '' "
+            "WHERE id = %s AND state = 'firing' AND attempts = %s "
+            "AND EXISTS (SELECT 1 FROM held) RETURNING id)"
+        )
+        fired_params = [claim.token, when, when, claim.timer_id, claim.attempts]
+    ended, fired = _run_statement(
+        db,
+        run_id,
+        lease,
+        set_sql,
+        [state, jsonb(result), error, when, when],
+        inserts,
+        when,
+        tail=(fired_cte, fired_params, ", (SELECT count(*) FROM fired)" if claim else ", 0"),
+        commit="",
+    )
+    return ended, bool(fired)
+
+
+def _run_statement(
+    db: str,
+    run_id: str,
+    lease: tuple[int, int] | None,
+    set_sql: str,
+    set_params: list[Any],
+    inserts: Sequence[dict[str, Any]],
+    when: Any,
+    *,
+    tail: tuple[str, list[Any], str] = ("", [], ", 0"),
+    commit: str = f", {_ASYNC}",
+) -> tuple[bool, Any]:
+    """One fenced statement on a running run: update it, insert step records, and more.
+
+    ``tail`` is (more CTEs, their parameters, one more SELECT column); ``commit`` an
+    extra SELECT column that sets how the transaction commits. Returns (the run was
+    running and got the update, the tail column); raises LeaseLost.
+    """
     added, rows = _added("held.id", "held, ", inserts, when)
+    added = f", {added}" if added else ""
+    ctes, tail_params, tail_column = tail
     if lease is None:  # unfenced: tests calling resume_once() directly
-        sql = (
-            "WITH held AS (UPDATE durable_workflowrun SET updated_at = %s "
-            f"WHERE id = %s AND state = %s RETURNING id), {added} "
-            f"SELECT TRUE, (SELECT count(*) FROM held), NULL, {_ASYNC}"
-        )
-        params = [when, run_id, WorkflowState.RUNNING, *rows]
+        lease_cte, ours, current, shard_params, token_params = "", "TRUE", "NULL", [], []
     else:
-        ours = "(SELECT token FROM lease) IS NOT DISTINCT FROM %s"
-        sql = (
-            "WITH lease AS (SELECT token FROM durable_shardlease WHERE shard = %s FOR SHARE), "
-            "held AS (UPDATE durable_workflowrun SET updated_at = %s "
-            f"WHERE id = %s AND state = %s AND {ours} RETURNING id), {added} "
-            f"SELECT {ours}, (SELECT count(*) FROM held), (SELECT token FROM lease), {_ASYNC}"
+        lease_cte = "lease AS (SELECT token FROM durable_shardlease WHERE shard = %s FOR SHARE), "
+        ours, current = (
+            "(SELECT token FROM lease) IS NOT DISTINCT FROM %s",
+            "(SELECT token FROM lease)",
         )
-        shard, token = lease
-        params = [shard, when, run_id, WorkflowState.RUNNING, token, *rows, token]
-    with connection.cursor() as cursor:
+        shard_params, token_params = [lease[0]], [lease[1]]
+    sql = (
+        f"WITH {lease_cte}held AS (UPDATE durable_workflowrun SET {set_sql} "
+        f"WHERE id = %s AND state = %s AND {ours} RETURNING id){added}{ctes} "
+        f"SELECT {ours}, (SELECT count(*) FROM held), {current}{tail_column}{commit}"
+    )
+    params = [*shard_params, *set_params, run_id, WorkflowState.RUNNING, *token_params, *rows,
+              *tail_params, *token_params]  # fmt: skip
+    with connections[db].cursor() as cursor:
         cursor.execute(sql, params)
-        is_ours, found, current, _ = cursor.fetchone()
+        is_ours, found, token, extra = cursor.fetchone()[:4]
     if not is_ours:
         assert lease is not None
         raise LeaseLost(
-            f"lease of shard {lease[0]} lost: token {lease[1]} is stale (now {current})",
+            f"lease of shard {lease[0]} lost: token {lease[1]} is stale (now {token})",
             shard=lease[0],
             token=lease[1],
-            current_token=current,
+            current_token=token,
         )
-    return bool(found)
+    return bool(found), extra
 
 
 def set_state(

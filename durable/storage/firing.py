@@ -248,6 +248,31 @@ def claim(db: str, ids: Iterable[int], claim_expires_ms: int) -> None:
     )
 
 
+def complete_claim(
+    db: str, timer_id: int, attempts: int, shard: int, token: int, now_ms: int
+) -> bool:
+    """Mark a claimed timer fired from inside its handler's last transaction.
+
+    For external handlers that commit their own transactions (a workflow replay): its
+    final checkpoint and the fire commit together, which saves the firer a transaction.
+    Only while our claim (that attempt number) stands; False otherwise. The caller's
+    transaction must be fenced with ``token``. On PostgreSQL it is made to commit
+    synchronously (its earlier statements may have asked otherwise): a fired timer is
+    never lost. Results are not stored: meant for timers without ``on_complete``.
+    """
+    conn = connections[db]
+    when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    sync = ", set_config('synchronous_commit', 'on', true)" if conn.vendor == "postgresql" else ""
+    with conn.cursor() as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET state = %s, fired_token = %s, fired_at = %s, "
+            "updated_at = %s, claim_expires_ms = NULL, last_error = '' "
+            f"WHERE id = %s AND state = %s AND attempts = %s RETURNING id{sync}",
+            [_FIRED, token, when, when, timer_id, _FIRING, attempts],
+        )
+        return cursor.fetchone() is not None
+
+
 def still_claimed(db: str, timer_id: int, attempts: int) -> bool:
     """Lock the row and tell whether our claim (that attempt number) still stands."""
     return (

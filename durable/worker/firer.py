@@ -14,8 +14,9 @@ handlers must therefore keep their effects inside the database: the handlers tha
 before the failure in that batch are called twice, and commit once.
 
 External handlers (``atomic=False``) are claimed in the batch transaction, run on the
-executor after commit, and completed in a second fenced transaction; a crash in between
-leaves the claim to expire, and the timer runs again (at least once).
+executor after commit, and completed in a second fenced transaction (or in their own
+last one: :func:`durable.storage.firing.complete_claim`); a crash in between leaves the
+claim to expire, and the timer runs again (at least once).
 """
 
 from __future__ import annotations
@@ -353,12 +354,15 @@ class Firer:
         try:
             spec = self._resolve(timer)
             now_ms = self.clock.now_ms()
+            ctx = _context(timer, attempt, now_ms, token, self.metrics)
             try:
-                with firing(_context(timer, attempt, now_ms, token, self.metrics)):
+                with firing(ctx):
                     value: Any = spec.fn(*timer.args, **timer.kwargs)
                 error: BaseException | None = None
             except Exception as exc:
                 value, error = None, exc
+            if error is None and ctx.completed and not timer.on_complete:
+                return  # the handler's last transaction marked the timer fired
             self._complete_external(shard, token, timer, attempt, value, error, readd)
         except LeaseLost as exc:
             event(

@@ -36,6 +36,7 @@ from durable.exceptions import PayloadError
 from durable.models import WorkflowState
 from durable.scheduling.validation import check_json
 from durable.storage import checkpoints as cp
+from durable.storage import firing
 from durable.storage import workflows as store
 from durable.storage.leases import fence
 from durable.workflows.records import (
@@ -232,13 +233,11 @@ class DatabaseBackend:
     def suspend(self, record: Record) -> Record:
         """Wait for a sleep to end or a retry to be due: record, arm the timer, let go."""
         assert record.wake_ms is not None
-        parts: tuple[object, ...] = (record.seq,)
-        if record.status == Status.RETRYING:
-            parts = (record.seq, f"a{record.attempts}")
         with self.checkpoint():
             self.write(record)
-            self._wake(store.wake_key(self.run_id, *parts), record.wake_ms)
+            self._wake(suspend_key(self.run_id, record), record.wake_ms)
             cp.set_state(self.db, self.run_id, WorkflowState.SLEEPING)
+            self._complete_wakeup()
         raise Suspend(f"run {self.run_id} sleeps until {record.wake_ms} (seq {record.seq})")
 
     def wait_signal(self, seq: int, name: str, deadline_ms: int | None) -> Record:
@@ -261,6 +260,7 @@ class DatabaseBackend:
                 cp.set_state(
                     self.db, self.run_id, WorkflowState.WAITING, wait_signal=name, wait_seq=seq
                 )
+                self._complete_wakeup()
             self.write(record)
         if record.status == Status.WAITING:
             raise Suspend(f"run {self.run_id} waits for signal {name!r} (seq {seq})")
@@ -296,6 +296,7 @@ class DatabaseBackend:
             else:
                 record = replace(record, status=Status.WAITING)
                 cp.set_state(self.db, self.run_id, WorkflowState.WAITING, wait_seq=seq)
+                self._complete_wakeup()
             self.write(record)
         if record.status == Status.WAITING:
             raise Suspend(f"run {self.run_id} waits for child {run_id} (seq {seq})")
@@ -305,6 +306,8 @@ class DatabaseBackend:
 
     def finish(self, state: str, result: Any = None, error: str = "") -> None:
         """Record the run's end and wake its parent, if it has one."""
+        if self._finish_fast(state, result, error):
+            return
         with self.checkpoint():
             now = self.now_ms()
             cp.finish(self.db, self.run_id, state, result, error, now)
@@ -312,9 +315,57 @@ class DatabaseBackend:
             if parent is not None:
                 key = store.wake_key(parent, "child", self.run_id)
                 store.ensure_wake(self.db, parent, shard_for(parent, _shards()), key, now, now)
+            self._complete_wakeup()
+
+    def _finish_fast(self, state: str, result: Any, error: str) -> bool:
+        """End the run in one statement (PostgreSQL; no parent to wake, no record to
+        change): the run's end, its pending records and its wake-up's fire commit together.
+        False when the general checkpoint must do it."""
+        if self.parent_id is not None or not cp.is_postgres(self.db):
+            return False
+        if any(seq in self._known for seq in self._pending):
+            return False
+        fire = current_fire()
+        claim = None
+        if fire is not None and fire.token is not None and not fire.completed:
+            claim = cp.Claim(timer_id=fire.timer_id, attempts=fire.attempt, token=fire.token)
+        ordered = sorted(self._pending.items())
+        rows = [asdict(record) for _, record in ordered]
+        end = (state, result, error)
+        ended, fired = cp.finish_run(
+            self.db, self.run_id, self.lease, end, rows, claim, self.now_ms()
+        )
+        self._pending.clear()
+        if not ended:
+            raise RunStopped(f"run {self.run_id} is no longer running")
+        self._known.update(ordered)
+        if fired:
+            assert fire is not None
+            transaction.on_commit(lambda: fire.completed.append(True), using=self.db)
+        return True
+
+    def _complete_wakeup(self) -> None:
+        """Mark the wake-up timer that started this replay fired, in this (last) checkpoint.
+
+        The firer would otherwise do it in a transaction of its own once the replay
+        returns. A replay that goes round again reaches here again: a no-op then.
+        """
+        fire = current_fire()
+        if fire is None or fire.token is None or fire.shard is None or fire.completed:
+            return
+        now = self.now_ms()
+        if firing.complete_claim(self.db, fire.timer_id, fire.attempt, fire.shard, fire.token, now):
+            transaction.on_commit(lambda: fire.completed.append(True), using=self.db)
 
     def _wake(self, key: str, fire_at_ms: int) -> None:
         store.ensure_wake(self.db, self.run_id, self.shard, key, fire_at_ms, self.now_ms())
+
+
+def suspend_key(run_id: str, record: Record) -> str:
+    """The key of the timer that ends a sleep or a step's wait for its retry."""
+    if record.status == Status.RETRYING:
+        return store.wake_key(run_id, record.seq, f"a{record.attempts}")
+    return store.wake_key(run_id, record.seq)
 
 
 def _done(call: StepCall, result: Any) -> Record:

@@ -9,16 +9,22 @@ holds no batch transaction and no lock while it runs, and a worker that lost the
 commits nothing. If the worker dies mid-replay, the claim expires and the timer fires
 again: the replay starts over from the recorded history.
 
-Within one worker, two wake-ups of the same run can be fired at once (a signal arrives
-while a sleep ends). :class:`RunGuard` lets one replay run; the other returns at once
-and asks the first to go round again, so no wake-up is lost and the run is never
-replayed by two threads at the same time. Across workers, the lease does that job.
+Wake-ups whose replay performs nothing live (a sleep that ends, say) are replayed
+inside the firing batch instead (:mod:`durable.workflows.inline`, the kind's batch
+scope). The runs that scope found needing the executor are marked running in the batch
+and their histories handed over, so their replay need not read them again, unless a
+replay ended in this worker meanwhile (:attr:`RunGuard.epoch`).
+
+Within one worker, :class:`~durable.workflows.runguard.RunGuard` sees to it that a run
+is never replayed by two threads at once and that no wake-up is lost to a busy run.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -29,7 +35,7 @@ from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import register_kind
+from durable.dispatch.kinds import register_batch_scope, register_kind
 from durable.dispatch.registry import HandlerSpec
 from durable.exceptions import WorkflowError
 from durable.models import WorkflowState
@@ -38,39 +44,13 @@ from durable.storage.leases import fence
 from durable.workflows.backend import DatabaseBackend, event
 from durable.workflows.context import WorkflowContext
 from durable.workflows.execute import COMPLETED, FAILED, execute
+from durable.workflows.inline import InlineBatch, replaying
 from durable.workflows.records import Record, RunStopped
 from durable.workflows.registry import WorkflowDef, workflows
+from durable.workflows.runguard import RunGuard
 
-
-class RunGuard:
-    """At most one replay per run in this process; a wake-up that finds it busy is kept."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy: dict[str, bool] = {}  # run id -> another wake-up came meanwhile
-
-    def enter(self, run_id: str) -> bool:
-        """Take the run; False (and a note to go again) if another thread has it."""
-        with self._lock:
-            if run_id in self._busy:
-                self._busy[run_id] = True
-                return False
-            self._busy[run_id] = False
-            return True
-
-    def again(self, run_id: str) -> bool:
-        """True if a wake-up came during the replay (go again); else let the run go."""
-        with self._lock:
-            if self._busy.get(run_id):
-                self._busy[run_id] = False
-                return True
-            self._busy.pop(run_id, None)
-            return False
-
-    def leave(self, run_id: str) -> None:
-        """Let the run go (after an error)."""
-        with self._lock:
-            self._busy.pop(run_id, None)
+__all__ = ["RunGuard", "WorkflowKind", "kind", "replay", "resume_once"]
+_HANDOVER_MAX = 100_000
 
 
 class WorkflowKind:
@@ -78,17 +58,51 @@ class WorkflowKind:
 
     def __init__(self) -> None:
         self.guard = RunGuard()
+        self._local = threading.local()  # .batch: the firing thread's InlineBatch, if any
+        self._handover: dict[str, tuple[cp.RunSnapshot, int]] = {}  # run id -> (, epoch)
+        self._handover_lock = threading.Lock()
 
     def resolve(self, run_id: str) -> HandlerSpec:
-        """A handler that resumes run ``run_id``, outside the batch transaction."""
+        """The handler of a wake-up of run ``run_id``.
+
+        Inside a firing batch whose scope replayed the run to its end or its next sleep,
+        an atomic handler that only reports it (the batch writes the replay); otherwise
+        one that resumes the run on the executor, outside the batch transaction.
+        """
+        batch: InlineBatch | None = getattr(self._local, "batch", None)
+        if batch is not None and run_id in batch.backends:
+            return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
         return HandlerSpec(name=f"workflow:{run_id}", fn=partial(self.resume, run_id), atomic=False)
+
+    @contextmanager
+    def batch_scope(self, db: str, timers: Sequence[Any], now_ms: int) -> Iterator[None]:
+        """The kind's batch scope: replay the batch's runs inline where that is enough."""
+        with replaying(db, timers, now_ms, self.guard, replay, self._hand_over) as batch:
+            self._local.batch = batch
+            try:
+                yield
+            finally:
+                self._local.batch = None
+
+    def _hand_over(self, snapshots: dict[str, cp.RunSnapshot], epoch: int) -> None:
+        """Keep histories read (and runs marked running) by a committed batch."""
+        with self._handover_lock:
+            if len(self._handover) > _HANDOVER_MAX:  # timers that never reached us
+                self._handover.clear()
+            self._handover.update((run_id, (snap, epoch)) for run_id, snap in snapshots.items())
+
+    def _taken_over(self, run_id: str) -> cp.RunSnapshot | None:
+        """The history handed over for ``run_id``, if no replay has ended since its read."""
+        with self._handover_lock:
+            snapshot, epoch = self._handover.pop(run_id, (None, -1))
+        return snapshot if snapshot is not None and epoch == self.guard.epoch else None
 
     def resume(self, run_id: str) -> str:
         """Replay the run until it suspends or ends; return the state it reached."""
         if not self.guard.enter(run_id):
             return "busy"
         try:
-            state = resume_once(run_id)
+            state = resume_once(run_id, self._taken_over(run_id))
             while self.guard.again(run_id):
                 state = resume_once(run_id)
         except BaseException:
@@ -97,21 +111,24 @@ class WorkflowKind:
         return state
 
 
-def resume_once(run_id: str) -> str:
+def resume_once(run_id: str, snapshot: cp.RunSnapshot | None = None) -> str:
     """Replay run ``run_id`` once, from the top of its code; return where it stands.
 
     Called by the worker with the fire context set (its lease is checked in every
     transaction); called without one, it runs unfenced, which only tests should do.
+    ``snapshot``: the run as the firing batch read it and marked it running (then it is
+    not read again).
     """
     db = get_settings().DATABASE
     fire = current_fire()
     lease = (fire.shard, fire.token) if fire and fire.token is not None else None
     clock = current_clock()
     floor_ms = fire.fired_ms if fire else 0
-    with transaction.atomic(using=db):
-        if lease is not None:
-            fence(db, lease[0], lease[1])
-        snapshot = cp.begin(db, run_id, max(clock.now_ms(), floor_ms))
+    if snapshot is None:
+        with transaction.atomic(using=db):
+            if lease is not None:
+                fence(db, lease[0], lease[1])
+            snapshot = cp.begin(db, run_id, max(clock.now_ms(), floor_ms))
     if snapshot is None:
         return "finished"
     history = [Record(**step) for step in snapshot.steps]
@@ -125,6 +142,11 @@ def resume_once(run_id: str) -> str:
         recorded=history,
         parent_id=snapshot.parent_id,
     )
+    return replay(backend, snapshot, history)
+
+
+def replay(backend: Any, snapshot: cp.RunSnapshot, history: list[Record]) -> str:
+    """Run the run's code once against ``backend``; return the state it reached."""
     try:
         definition = workflows.resolve(snapshot.name)
         instance = _bound(snapshot)
@@ -134,7 +156,7 @@ def resume_once(run_id: str) -> str:
 
 
 def _replay(
-    backend: DatabaseBackend,
+    backend: Any,
     definition: WorkflowDef,
     instance: models.Model | None,
     snapshot: cp.RunSnapshot,
@@ -162,7 +184,7 @@ def _replay(
     return "suspended"
 
 
-def _fail(backend: DatabaseBackend, name: str, error: BaseException) -> str:
+def _fail(backend: Any, name: str, error: BaseException) -> str:
     text = sanitize_error(error)
     try:
         backend.finish(WorkflowState.FAILED, error=text)
@@ -192,3 +214,4 @@ def _bound(snapshot: cp.RunSnapshot) -> Any:
 
 kind = WorkflowKind()
 register_kind("workflow", kind.resolve)
+register_batch_scope("workflow", kind.batch_scope)

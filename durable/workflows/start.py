@@ -38,7 +38,11 @@ def start_run(
     now_ms = current_clock().now_ms()
     db = conf.DATABASE
     with transaction.atomic(using=db, savepoint=False):
-        run, created = store.insert_run(db, run)
+        if run_id is None:  # a fresh uuid4: nothing to collide with, nothing to look up
+            run.save(using=db, force_insert=True)
+            created = True
+        else:
+            run, created = store.insert_run(db, run)
         if created:
             store.ensure_wake(
                 db, run.pk, run.shard, store.wake_key(run.pk, "start"), now_ms, now_ms

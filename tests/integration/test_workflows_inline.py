@@ -1,0 +1,107 @@
+"""Wake-ups replayed inside the firing batch, and histories handed over to the executor.
+
+A sleep that ends and code that then returns or sleeps again is replayed by the firing
+thread in the batch transaction (no executor, no checkpoint transactions); a replay that
+reaches a step goes to the executor with the history the batch read. SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+import durable
+from durable.models import Timer, WorkflowRun, WorkflowStep
+from durable.storage import wakeups
+from tests.integration import workflow_support as support
+from tests.integration.workflow_support import records
+
+pytestmark = pytest.mark.django_db(transaction=True)
+driver = support.driver  # fixture (clock: tests/integration/conftest.py)
+THREADS: list[str] = []  # which thread ran each replay's end (a test-only side effect)
+
+
+def record(key: str) -> str:
+    from testproject.demo.models import FireRecord
+
+    FireRecord.objects.create(key=key, fired_at_ms=0)
+    return key
+
+
+@durable.workflow
+def nap(ctx, naps):
+    for _ in range(naps):
+        ctx.sleep(timedelta(seconds=10))
+    THREADS.append(threading.current_thread().name)
+    return f"rested {naps}"
+
+
+@durable.workflow
+def nap_then_step(ctx):
+    ctx.sleep(timedelta(seconds=10))
+    return ctx.step(record, "after-nap")
+
+
+@durable.workflow
+def napping_child(ctx):
+    ctx.sleep(timedelta(seconds=10))
+    return "child rested"
+
+
+@durable.workflow
+def parent_of_napper(ctx):
+    handle = ctx.start_child(napping_child)
+    return ctx.wait_child(handle)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    THREADS.clear()
+
+
+def test_a_sleep_that_ends_is_replayed_in_the_firing_batch(driver):
+    run = nap.start(2)
+    driver.settle(run, "completed", turns=40)
+    assert WorkflowRun.objects.get(pk=run.pk).result == "rested 2"
+    # The replays that slept again and the one that returned ran on the firing thread.
+    assert THREADS and not any(name.startswith("durable") for name in THREADS)
+    steps = list(WorkflowStep.objects.filter(run=run).order_by("seq").values("kind", "status"))
+    assert steps == [{"kind": "sleep", "status": "done"}] * 2
+    # Every wake-up timer of the run fired; none is left pending or claimed.
+    states = set(Timer.objects.filter(target=run.pk).values_list("state", flat=True))
+    assert states == {"fired"}
+    assert WorkflowRun.objects.get(pk=run.pk).finished_at is not None
+
+
+def test_a_replay_that_reaches_a_step_goes_to_the_executor_with_its_history(driver):
+    run = nap_then_step.start()
+    driver.settle(run, "completed", turns=40)
+    assert records("after-nap") == ["after-nap"]
+    # Start and sleep end: each wake-up was read once, by the batch, and handed over to the
+    # executor's replay, which did not read the run again (one replay counted per wake-up).
+    assert WorkflowRun.objects.get(pk=run.pk).replays == 2
+
+
+def test_a_child_ending_inline_wakes_its_parent(driver):
+    run = parent_of_napper.start()
+    assert driver.settle(run, "completed", turns=40).result == "child rested"
+
+
+def test_a_failed_inline_write_redoes_the_batch_the_usual_way(driver, monkeypatch):
+    run = nap.start(1)
+    driver.until(lambda: driver.state(run) == "sleeping")
+    real = wakeups.write_ends
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(wakeups, "write_ends", broken)
+    driver.settle(run, "completed", turns=40)
+    monkeypatch.setattr(wakeups, "write_ends", real)
+    assert calls  # the inline write was tried, failed, and the batch was redone
+    assert WorkflowRun.objects.get(pk=run.pk).result == "rested 1"
+    assert any(name.startswith("durable") for name in THREADS)  # replayed on the executor
