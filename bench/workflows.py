@@ -77,6 +77,23 @@ class Worker:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"worker did not take the shards; see {self.log.name}")
             time.sleep(0.05)
+        self.warm_up(threads)
+
+    def warm_up(self, threads: int) -> None:
+        """Run a few workflows through every executor thread before measuring (each opens
+        its database connection on first use), as the DBOS peer runs one first."""
+        from durable.models import Timer, WorkflowRun
+        from testproject.demo.workflows import ten_steps
+
+        runs = ten_steps.start_many({"args": [i]} for i in range(2 * threads))
+        ids = [run.pk for run in runs]
+        deadline = time.monotonic() + 60
+        while WorkflowRun.objects.filter(pk__in=ids, state="completed").count() < len(ids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"warm-up runs did not complete; see {self.log.name}")
+            time.sleep(0.01)
+        WorkflowRun.objects.filter(pk__in=ids).delete()
+        Timer.objects.filter(target__in=ids).delete()
 
     def status(self, key: str) -> float:
         """A field of /proc/<pid>/status (``VmRSS`` in MB, ``Threads``)."""

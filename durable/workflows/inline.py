@@ -37,7 +37,7 @@ from durable.workflows.backend import event, suspend_key
 from durable.workflows.records import Record, Suspend
 
 if TYPE_CHECKING:
-    from durable.workflows.runguard import RunGuard
+    from durable.workflows.runguard import Handovers, RunGuard
 
 
 class NeedsWorker(Exception):
@@ -151,14 +151,13 @@ def replaying(
     now_ms: int,
     guard: RunGuard,
     replay: Replay,
-    hand_over: Callable[[dict[str, RunSnapshot], int], None],
+    handovers: Handovers,
 ) -> Iterator[InlineBatch]:
     """Replay the runs of ``timers`` inline; on exit, write the ends of those fired.
 
     A run that another thread of this worker is replaying is left to the usual way (its
     guard is busy, and the busy replay is asked to go round again). The histories of the
-    runs that need the executor go to ``hand_over(snapshots, epoch)`` once the batch
-    commits, with the guard's epoch while this batch held them.
+    runs that need the executor are offered to ``handovers``, confirmed on commit.
     """
     batch = InlineBatch()
     entered: list[str] = []
@@ -190,15 +189,17 @@ def replaying(
         except Exception as exc:  # the batch is redone without inline replays
             event(logging.WARNING, "workflow.inline_write_failed", error=sanitize_error(exc))
             raise RedoCarefully("writing the inline replays failed") from exc
+        for run_id in batch.fired:
+            handovers.discard(run_id)
         if batch.handover:
-            handed = {run_id: batch.handover[run_id] for run_id in batch.handover}
-            epoch = guard.epoch  # we still hold these runs: no replay of them ended since
-            transaction.on_commit(lambda: hand_over(handed, epoch), using=db)
+            token = handovers.offer(batch.handover)
+            handed = sorted(batch.handover)
+            transaction.on_commit(lambda: handovers.confirm(handed, token), using=db)
     finally:
         # Nothing of these runs is replayed in this process until the batch commits: the
         # executor's replays begin by updating the run row, which waits for our lock.
         for run_id in entered:
-            guard.leave(run_id, replayed=False)
+            guard.leave(run_id)
 
 
 def _shards() -> int:

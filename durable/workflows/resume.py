@@ -12,8 +12,8 @@ again: the replay starts over from the recorded history.
 Wake-ups whose replay performs nothing live (a sleep that ends, say) are replayed
 inside the firing batch instead (:mod:`durable.workflows.inline`, the kind's batch
 scope). The runs that scope found needing the executor are marked running in the batch
-and their histories handed over, so their replay need not read them again, unless a
-replay ended in this worker meanwhile (:attr:`RunGuard.epoch`).
+and their histories handed over (:class:`~durable.workflows.runguard.Handovers`), so
+their replay need not read them again.
 
 Within one worker, :class:`~durable.workflows.runguard.RunGuard` sees to it that a run
 is never replayed by two threads at once and that no wake-up is lost to a busy run.
@@ -47,10 +47,9 @@ from durable.workflows.execute import COMPLETED, FAILED, execute
 from durable.workflows.inline import InlineBatch, replaying
 from durable.workflows.records import Record, RunStopped
 from durable.workflows.registry import WorkflowDef, workflows
-from durable.workflows.runguard import RunGuard
+from durable.workflows.runguard import Handovers, RunGuard
 
 __all__ = ["RunGuard", "WorkflowKind", "kind", "replay", "resume_once"]
-_HANDOVER_MAX = 100_000
 
 
 class WorkflowKind:
@@ -59,8 +58,7 @@ class WorkflowKind:
     def __init__(self) -> None:
         self.guard = RunGuard()
         self._local = threading.local()  # .batch: the firing thread's InlineBatch, if any
-        self._handover: dict[str, tuple[cp.RunSnapshot, int]] = {}  # run id -> (, epoch)
-        self._handover_lock = threading.Lock()
+        self.handovers = Handovers()
 
     def resolve(self, run_id: str) -> HandlerSpec:
         """The handler of a wake-up of run ``run_id``.
@@ -77,32 +75,19 @@ class WorkflowKind:
     @contextmanager
     def batch_scope(self, db: str, timers: Sequence[Any], now_ms: int) -> Iterator[None]:
         """The kind's batch scope: replay the batch's runs inline where that is enough."""
-        with replaying(db, timers, now_ms, self.guard, replay, self._hand_over) as batch:
+        with replaying(db, timers, now_ms, self.guard, replay, self.handovers) as batch:
             self._local.batch = batch
             try:
                 yield
             finally:
                 self._local.batch = None
 
-    def _hand_over(self, snapshots: dict[str, cp.RunSnapshot], epoch: int) -> None:
-        """Keep histories read (and runs marked running) by a committed batch."""
-        with self._handover_lock:
-            if len(self._handover) > _HANDOVER_MAX:  # timers that never reached us
-                self._handover.clear()
-            self._handover.update((run_id, (snap, epoch)) for run_id, snap in snapshots.items())
-
-    def _taken_over(self, run_id: str) -> cp.RunSnapshot | None:
-        """The history handed over for ``run_id``, if no replay has ended since its read."""
-        with self._handover_lock:
-            snapshot, epoch = self._handover.pop(run_id, (None, -1))
-        return snapshot if snapshot is not None and epoch == self.guard.epoch else None
-
     def resume(self, run_id: str) -> str:
         """Replay the run until it suspends or ends; return the state it reached."""
         if not self.guard.enter(run_id):
             return "busy"
         try:
-            state = resume_once(run_id, self._taken_over(run_id))
+            state = resume_once(run_id, self.handovers.take(run_id))
             while self.guard.again(run_id):
                 state = resume_once(run_id)
         except BaseException:
