@@ -54,8 +54,15 @@ class Timer(models.Model):
     max_attempts = models.PositiveIntegerField(default=5)
     backoff_base_s = models.FloatField(default=1.0)
     backoff_max_s = models.FloatField(default=3600.0)
+    # Indexed only where set (see Meta): most rows have no parent, and every index entry
+    # is paid again at each state change of the row.
     parent = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="children",
+        db_index=False,
     )
     on_complete = models.CharField(max_length=255, blank=True, default="")
     context = models.JSONField(null=True, blank=True)
@@ -71,6 +78,11 @@ class Timer(models.Model):
 
     class Meta:
         indexes = [
+            models.Index(
+                fields=["parent"],
+                name="durable_timer_parent_idx",
+                condition=Q(parent__isnull=False),
+            ),
             # The loader and the rescan: pending rows of one shard by bucket, then fire time.
             models.Index(
                 fields=["shard", "bucket", "fire_at_ms"],
@@ -292,8 +304,15 @@ class WorkflowRun(models.Model):
         max_length=100, blank=True, default="", help_text="bound row's model (app_label.model)"
     )
     object_pk = models.CharField(max_length=100, blank=True, default="")
+    # Indexed only where set (see Meta): most rows have no parent, and every index entry
+    # is paid again at each state change of the row.
     parent = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="children",
+        db_index=False,
     )
     result = models.JSONField(null=True, blank=True)
     error = models.CharField(max_length=500, blank=True, default="")
@@ -312,6 +331,11 @@ class WorkflowRun(models.Model):
     class Meta:
         indexes = [
             models.Index(fields=["state", "name"], name="durable_wfrun_state_idx"),
+            models.Index(
+                fields=["parent"],
+                name="durable_wfrun_parent_idx",
+                condition=Q(parent__isnull=False),
+            ),
             models.Index(fields=["name", "created_at"], name="durable_wfrun_name_idx"),
             models.Index(fields=["created_at"], name="durable_wfrun_created_idx"),
             models.Index(fields=["model_label", "object_pk"], name="durable_wfrun_object_idx"),

@@ -97,27 +97,28 @@ def _json(value: Any) -> Any:
 
 
 def write_ends(db: str, ends: Sequence[RunEnd], now_ms: int) -> None:
-    """Write the step records and run states of ``ends`` (runs locked by :func:`lock_runs`)."""
+    """Write the step records and run states of ``ends`` (runs locked by :func:`lock_runs`).
+
+    On PostgreSQL one statement for the whole batch: new records, changed records and
+    the runs. Elsewhere, through the ORM.
+    """
     if not ends:
         return
+    if is_postgres(db):
+        _write_ends_sql(db, ends, ms_to_dt(now_ms))
+        return
     when = ms_to_dt(now_ms)
-    inserts = [
+    WorkflowStep.objects.using(db).bulk_create(
         WorkflowStep(run_id=end.run_id, created_at=when, updated_at=when, **step)
         for end in ends
         for step in end.inserts
-    ]
-    WorkflowStep.objects.using(db).bulk_create(inserts)
-    updates = [(end.run_id, step) for end in ends for step in end.updates]
-    if is_postgres(db):
-        _update_steps_sql(db, updates, when)
-        _update_runs_sql(db, ends, when)
-        return
-    for run_id, step in updates:
-        values = {k: v for k, v in step.items() if k != "seq"}
-        WorkflowStep.objects.using(db).filter(run_id=run_id, seq=step["seq"]).update(
-            **values, updated_at=when
-        )
+    )
     for end in ends:
+        for step in end.updates:
+            values = {k: v for k, v in step.items() if k != "seq"}
+            WorkflowStep.objects.using(db).filter(run_id=end.run_id, seq=step["seq"]).update(
+                **values, updated_at=when
+            )
         finished = end.state != WorkflowState.SLEEPING
         WorkflowRun.objects.using(db).filter(pk=end.run_id).update(
             state=end.state,
@@ -131,39 +132,46 @@ def write_ends(db: str, ends: Sequence[RunEnd], now_ms: int) -> None:
         )
 
 
-def _update_steps_sql(db: str, updates: Sequence[tuple[str, dict[str, Any]]], when: Any) -> None:
-    # The rows travel as one JSON parameter: a statement with thousands of placeholders
-    # costs the client more to build than the server to run. The ANY() condition gives
-    # the planner an index path whatever it guesses of the JSON's size (with stale
-    # statistics it hash-joined the whole table).
-    if not updates:
-        return
-    rows = json.dumps([{"run_id": run_id, **step} for run_id, step in updates])
-    sql = (
-        "UPDATE durable_workflowstep s SET status = v.status, result = v.result, "
-        "error = v.error, attempts = v.attempts, wake_ms = v.wake_ms, updated_at = %s "
-        "FROM jsonb_to_recordset(%s::jsonb) AS v(run_id text, seq integer, status text, "
-        "result jsonb, error text, attempts integer, wake_ms bigint) "
-        "WHERE s.run_id = ANY(%s) AND s.run_id = v.run_id AND s.seq = v.seq"
-    )
-    with connections[db].cursor() as cursor:
-        cursor.execute(sql, [when, rows, sorted({run_id for run_id, _ in updates})])
+_STEP_COLUMNS = (
+    "run_id text, seq integer, kind text, name text, status text, result jsonb, "
+    "error text, attempts integer, wake_ms bigint"
+)
+# The rows travel as JSON parameters: a statement with thousands of placeholders costs
+# the client more to build than the server to run. The ANY() conditions give the planner
+# an index path whatever it guesses of the JSON's size (with stale statistics it
+# hash-joined whole tables).
+_WRITE_ENDS = (
+    "WITH runs AS (UPDATE durable_workflowrun r SET state = v.state, result = v.result, "
+    "error = v.error, wait_signal = '', wait_seq = NULL, replays = r.replays + 1, "
+    "updated_at = %(when)s, "
+    "finished_at = CASE WHEN v.state = %(sleeping)s THEN r.finished_at ELSE %(when)s END "
+    "FROM jsonb_to_recordset(%(runs)s::jsonb) AS v(id text, state text, result jsonb, "
+    "error text) WHERE r.id = ANY(%(ids)s) AND r.id = v.id RETURNING 1), "
+    "changed AS (UPDATE durable_workflowstep s SET status = u.status, result = u.result, "
+    "error = u.error, attempts = u.attempts, wake_ms = u.wake_ms, updated_at = %(when)s "
+    f"FROM jsonb_to_recordset(%(updates)s::jsonb) AS u({_STEP_COLUMNS}) "
+    "WHERE s.run_id = ANY(%(ids)s) AND s.run_id = u.run_id AND s.seq = u.seq RETURNING 1), "
+    "added AS (INSERT INTO durable_workflowstep (run_id, seq, kind, name, status, result, "
+    "error, attempts, wake_ms, created_at, updated_at) SELECT i.*, %(when)s, %(when)s "
+    f"FROM jsonb_to_recordset(%(inserts)s::jsonb) AS i({_STEP_COLUMNS}) RETURNING 1) "
+    "SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM changed), "
+    "(SELECT count(*) FROM added)"
+)
 
 
-def _update_runs_sql(db: str, ends: Sequence[RunEnd], when: Any) -> None:
-    rows = json.dumps(
-        [{"id": e.run_id, "state": e.state, "result": e.result, "error": e.error} for e in ends]
-    )
-    sql = (
-        "UPDATE durable_workflowrun r SET state = v.state, result = v.result, "
-        "error = v.error, wait_signal = '', wait_seq = NULL, replays = r.replays + 1, "
-        "updated_at = %s, finished_at = CASE WHEN v.state = %s THEN r.finished_at ELSE %s END "
-        "FROM jsonb_to_recordset(%s::jsonb) AS v(id text, state text, result jsonb, error text) "
-        "WHERE r.id = ANY(%s) AND r.id = v.id"
-    )
-    ids = [end.run_id for end in ends]
+def _write_ends_sql(db: str, ends: Sequence[RunEnd], when: Any) -> None:
+    params = {
+        "when": when,
+        "sleeping": WorkflowState.SLEEPING,
+        "ids": [end.run_id for end in ends],
+        "runs": json.dumps(
+            [{"id": e.run_id, "state": e.state, "result": e.result, "error": e.error} for e in ends]
+        ),
+        "updates": json.dumps([{"run_id": e.run_id, **s} for e in ends for s in e.updates]),
+        "inserts": json.dumps([{"run_id": e.run_id, **s} for e in ends for s in e.inserts]),
+    }
     with connections[db].cursor() as cursor:
-        cursor.execute(sql, [when, WorkflowState.SLEEPING, when, rows, ids])
+        cursor.execute(_WRITE_ENDS, params)
 
 
 def mark_running(db: str, run_ids: Sequence[str], now_ms: int) -> None:
