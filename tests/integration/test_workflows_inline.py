@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 
 import durable
-from durable.models import Timer, WorkflowRun, WorkflowStep
-from durable.storage import wakeups
+from durable.models import ShardLease, Timer, WorkflowRun, WorkflowStep
+from durable.storage import firing, wakeups
 from tests.integration import workflow_support as support
 from tests.integration.workflow_support import records
 
@@ -105,3 +105,27 @@ def test_a_failed_inline_write_redoes_the_batch_the_usual_way(driver, monkeypatc
     assert calls  # the inline write was tried, failed, and the batch was redone
     assert WorkflowRun.objects.get(pk=run.pk).result == "rested 1"
     assert any(name.startswith("durable") for name in THREADS)  # replayed on the executor
+
+
+def test_an_executor_replay_marks_its_wake_up_fired_in_its_last_statement(driver):
+    run = nap_then_step.start()
+    driver.settle(run, "completed", turns=40)
+    lease_tokens = dict(ShardLease.objects.values_list("shard", "token"))
+    timers = list(Timer.objects.filter(target=run.pk).values("state", "fired_token", "shard"))
+    assert len(timers) == 2  # start, end of the sleep
+    assert all(t["state"] == "fired" for t in timers)
+    assert all(t["fired_token"] == lease_tokens[t["shard"]] for t in timers)
+
+
+def test_complete_claim_only_while_the_claim_stands():
+    db_alias = "default"
+    timer = Timer.objects.create(
+        shard=0, bucket=0, fire_at_ms=1, state="firing", kind="workflow", target="r",
+        attempts=2, claim_expires_ms=10,
+    )  # fmt: skip
+    assert not firing.complete_claim(db_alias, timer.pk, 1, 0, 7, 5)  # an older attempt
+    assert Timer.objects.get(pk=timer.pk).state == "firing"
+    assert firing.complete_claim(db_alias, timer.pk, 2, 0, 7, 5)
+    done = Timer.objects.get(pk=timer.pk)
+    assert (done.state, done.fired_token, done.claim_expires_ms) == ("fired", 7, None)
+    assert not firing.complete_claim(db_alias, timer.pk, 2, 0, 7, 5)  # already fired
