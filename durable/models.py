@@ -11,6 +11,22 @@ from django.db import models
 from django.db.models import Q
 
 
+def _parent_field() -> models.ForeignKey:
+    """A nullable link to a parent row of the same model.
+
+    Indexed only where set (a partial index in the model's Meta): most rows have no
+    parent, and every index entry is paid again at each state change of the row.
+    """
+    return models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="children",
+        db_index=False,
+    )
+
+
 class TimerState(models.TextChoices):
     """Life cycle of a timer: pending → (firing →) fired | failed; pending → canceled."""
 
@@ -54,16 +70,7 @@ class Timer(models.Model):
     max_attempts = models.PositiveIntegerField(default=5)
     backoff_base_s = models.FloatField(default=1.0)
     backoff_max_s = models.FloatField(default=3600.0)
-    # Indexed only where set (see Meta): most rows have no parent, and every index entry
-    # is paid again at each state change of the row.
-    parent = models.ForeignKey(
-        "self",
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="children",
-        db_index=False,
-    )
+    parent = _parent_field()
     on_complete = models.CharField(max_length=255, blank=True, default="")
     context = models.JSONField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
@@ -304,16 +311,7 @@ class WorkflowRun(models.Model):
         max_length=100, blank=True, default="", help_text="bound row's model (app_label.model)"
     )
     object_pk = models.CharField(max_length=100, blank=True, default="")
-    # Indexed only where set (see Meta): most rows have no parent, and every index entry
-    # is paid again at each state change of the row.
-    parent = models.ForeignKey(
-        "self",
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="children",
-        db_index=False,
-    )
+    parent = _parent_field()
     result = models.JSONField(null=True, blank=True)
     error = models.CharField(max_length=500, blank=True, default="")
     wait_signal = models.CharField(

@@ -60,7 +60,8 @@ def is_postgres(db: str) -> bool:
     return connections[db].vendor == "postgresql"
 
 
-def _json(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A JSON column as read: parsed if the driver handed over text (SQLite), else as is."""
     return json.loads(value) if isinstance(value, str | bytes) else value
 
 
@@ -82,18 +83,23 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    name, shard, args, kwargs, model_label, object_pk, parent_id = row[: len(RUN_FIELDS)]
     if extra:
-        steps = _json(row[len(RUN_FIELDS)])
+        steps = json_value(row[len(RUN_FIELDS)])
     else:
         rows = WorkflowStep.objects.using(db).filter(run_id=run_id).order_by("seq")
         steps = list(rows.values(*STEP_FIELDS))
+    return snapshot_of(run_id, row[: len(RUN_FIELDS)], steps)
+
+
+def snapshot_of(run_id: str, fields: Sequence[Any], steps: list[dict[str, Any]]) -> RunSnapshot:
+    """A :class:`RunSnapshot` from the run's ``RUN_FIELDS`` values, as read, and its steps."""
+    name, shard, args, kwargs, model_label, object_pk, parent_id = fields
     return RunSnapshot(
         id=run_id,
         name=name,
         shard=shard,
-        args=_json(args),
-        kwargs=_json(kwargs),
+        args=json_value(args),
+        kwargs=json_value(kwargs),
         model_label=model_label,
         object_pk=object_pk,
         parent_id=parent_id,

@@ -24,6 +24,8 @@ from durable.storage.checkpoints import (
     STEP_FIELDS,
     RunSnapshot,
     is_postgres,
+    json_value,
+    snapshot_of,
 )
 from durable.storage.leases import ms_to_dt
 
@@ -63,7 +65,9 @@ def lock_runs(db: str, run_ids: Sequence[str]) -> dict[str, RunSnapshot]:
         cursor.execute(sql, [list(run_ids)])
         rows = cursor.fetchall()
     return {
-        row[0]: _snapshot(row[0], row[2:-1], _json(row[-1])) for row in rows if row[1] in ACTIVE
+        row[0]: snapshot_of(row[0], row[2:-1], json_value(row[-1]))
+        for row in rows
+        if row[1] in ACTIVE
     }
 
 
@@ -74,26 +78,7 @@ def _lock_runs_orm(db: str, run_ids: Sequence[str]) -> dict[str, RunSnapshot]:
     rows = WorkflowStep.objects.using(db).filter(run_id__in=found).order_by("run_id", "seq")
     for step in rows.values("run_id", *STEP_FIELDS):
         steps[step.pop("run_id")].append(step)
-    return {run_id: _snapshot(run_id, fields, steps[run_id]) for run_id, fields in found.items()}
-
-
-def _snapshot(run_id: str, fields: Sequence[Any], steps: list[dict[str, Any]]) -> RunSnapshot:
-    name, shard, args, kwargs, model_label, object_pk, parent_id = fields
-    return RunSnapshot(
-        id=run_id,
-        name=name,
-        shard=shard,
-        args=_json(args),
-        kwargs=_json(kwargs),
-        model_label=model_label,
-        object_pk=object_pk,
-        parent_id=parent_id,
-        steps=steps,
-    )
-
-
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str | bytes) else value
+    return {run_id: snapshot_of(run_id, fields, steps[run_id]) for run_id, fields in found.items()}
 
 
 def write_ends(db: str, ends: Sequence[RunEnd], now_ms: int) -> None:

@@ -93,6 +93,7 @@ class DatabaseBackend:
         self.parent_id = parent_id
         self._known = {record.seq: record for record in recorded}
         self._pending: dict[int, Record] = {}
+        self._last = False  # set inside a checkpoint that ends the replay (see checkpoint())
 
     # -- time and deferred records -------------------------------------------------------
 
@@ -112,7 +113,8 @@ class DatabaseBackend:
         ``hold_first`` locks the run row (writing the pending records in the same
         statement) before the body runs, which waits and endings need: a signal sent
         meanwhile must see the run waiting, or the wait must see the signal. Steps lock
-        it at the end, in the same statement as their record.
+        it at the end, in the same statement as their record. A body that suspends or
+        ends the run sets ``_last``: the wake-up timer is then marked fired at the end.
         """
         before = dict(self._pending)
         staged: dict[int, Record] = {}
@@ -126,9 +128,15 @@ class DatabaseBackend:
                 yield
                 if self._pending or not hold_first:
                     self._flush(staged, now, held=hold_first)
+                if self._last:
+                    # Last of all: its synchronous commit setting must not be overridden
+                    # by a flush's asynchronous one.
+                    self._complete_wakeup()
         except BaseException:
             self._pending = before  # what this checkpoint wrote rolled back with it
             raise
+        finally:
+            self._last = False
         self._known.update(staged)
 
     def write(self, record: Record) -> None:
@@ -237,7 +245,7 @@ class DatabaseBackend:
             self.write(record)
             self._wake(suspend_key(self.run_id, record), record.wake_ms)
             cp.set_state(self.db, self.run_id, WorkflowState.SLEEPING)
-            self._complete_wakeup()
+            self._last = True  # the replay's last checkpoint: the wake-up fires with it
         raise Suspend(f"run {self.run_id} sleeps until {record.wake_ms} (seq {record.seq})")
 
     def wait_signal(self, seq: int, name: str, deadline_ms: int | None) -> Record:
@@ -260,7 +268,7 @@ class DatabaseBackend:
                 cp.set_state(
                     self.db, self.run_id, WorkflowState.WAITING, wait_signal=name, wait_seq=seq
                 )
-                self._complete_wakeup()
+                self._last = True  # the replay's last checkpoint: the wake-up fires with it
             self.write(record)
         if record.status == Status.WAITING:
             raise Suspend(f"run {self.run_id} waits for signal {name!r} (seq {seq})")
@@ -296,7 +304,7 @@ class DatabaseBackend:
             else:
                 record = replace(record, status=Status.WAITING)
                 cp.set_state(self.db, self.run_id, WorkflowState.WAITING, wait_seq=seq)
-                self._complete_wakeup()
+                self._last = True  # the replay's last checkpoint: the wake-up fires with it
             self.write(record)
         if record.status == Status.WAITING:
             raise Suspend(f"run {self.run_id} waits for child {run_id} (seq {seq})")
@@ -315,7 +323,7 @@ class DatabaseBackend:
             if parent is not None:
                 key = store.wake_key(parent, "child", self.run_id)
                 store.ensure_wake(self.db, parent, shard_for(parent, _shards()), key, now, now)
-            self._complete_wakeup()
+            self._last = True  # the replay's last checkpoint: the wake-up fires with it
 
     def _finish_fast(self, state: str, result: Any, error: str) -> bool:
         """End the run in one statement (PostgreSQL; no parent to wake, no record to
@@ -345,7 +353,8 @@ class DatabaseBackend:
         return True
 
     def _complete_wakeup(self) -> None:
-        """Mark the wake-up timer that started this replay fired, in this (last) checkpoint.
+        """Mark the wake-up timer that started this replay fired, in this (last) checkpoint
+        (the run suspends or ends with it).
 
         The firer would otherwise do it in a transaction of its own once the replay
         returns. A replay that goes round again reaches here again: a no-op then.

@@ -129,3 +129,74 @@ def test_complete_claim_only_while_the_claim_stands():
     done = Timer.objects.get(pk=timer.pk)
     assert (done.state, done.fired_token, done.claim_expires_ms) == ("fired", 7, None)
     assert not firing.complete_claim(db_alias, timer.pk, 2, 0, 7, 5)  # already fired
+
+
+@pytest.mark.postgres
+def test_a_run_locked_elsewhere_is_left_to_the_executor(driver):
+    run = nap.start(1)
+    driver.until(lambda: driver.state(run) == "sleeping")
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row():  # a cancel or a signal in flight in another connection
+        from django.db import connection, transaction
+
+        with transaction.atomic():
+            list(WorkflowRun.objects.select_for_update().filter(pk=run.pk))
+            locked.set()
+            release.wait(10)
+        connection.close()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    assert locked.wait(10)
+    THREADS.clear()
+    driver.clock.advance(timedelta(seconds=11))
+    driver.engine.tick()  # the batch skips the locked run instead of waiting for it
+    release.set()
+    holder.join(10)
+    driver.idle()
+    driver.settle(run, "completed", turns=10)
+    assert THREADS and all(name.startswith("durable") for name in THREADS)
+
+
+@durable.workflow
+def step_then_nap(ctx):
+    ctx.step(record, "before-nap")
+    ctx.sleep(timedelta(seconds=10))
+    return "rested"
+
+
+@pytest.mark.postgres
+def test_the_checkpoint_that_suspends_marks_the_wake_up_last_and_commits_synchronously(
+    driver, monkeypatch
+):
+    from django.db import connection
+
+    from durable.storage import checkpoints
+
+    settings_seen: list[str] = []
+    real = firing.complete_claim
+
+    def watched(*args, **kwargs):
+        done = real(*args, **kwargs)
+        with connection.cursor() as cursor:  # what the checkpoint will commit with
+            cursor.execute("SELECT current_setting('synchronous_commit')")
+            settings_seen.append(cursor.fetchone()[0])
+        return done
+
+    flushed_after: list[str] = []
+    real_commit_steps = checkpoints.commit_steps
+
+    def commit_steps(*args, **kwargs):
+        if settings_seen:
+            flushed_after.append("flush")
+        return real_commit_steps(*args, **kwargs)
+
+    monkeypatch.setattr(firing, "complete_claim", watched)
+    monkeypatch.setattr(checkpoints, "commit_steps", commit_steps)
+    run = step_then_nap.start()
+    driver.settle(run, "sleeping", turns=10)
+    start = Timer.objects.get(key=f"wf:{run.pk}:start")
+    assert start.state == "fired"
+    assert settings_seen and settings_seen[0] == "on" and not flushed_after
+    assert driver.settle(run, "completed", turns=20).result == "rested"
