@@ -72,6 +72,11 @@ def collecting() -> Iterator[Announced]:
         _send(using, parts)
 
 
+def collecting_now() -> bool:
+    """True inside a :func:`collecting` block (a firing batch's handlers)."""
+    return _collector.get() is not None
+
+
 def supports_notify(using: str) -> bool:
     """Return True when the database can LISTEN/NOTIFY (PostgreSQL)."""
     return connections[using].vendor == "postgresql"

@@ -37,16 +37,19 @@ def start_run(
     run = store.new_run(fields, shard_for(fields["id"], conf.SHARDS))
     now_ms = current_clock().now_ms()
     db = conf.DATABASE
+    start_key = store.wake_key(run.pk, "start")
+    if run_id is None and store.can_start_in_one_statement(db):
+        # A fresh uuid4: nothing to collide with, nothing to look up.
+        store.insert_started(db, run, store.wake_timer(run.pk, run.shard, start_key, now_ms))
+        return run
     with transaction.atomic(using=db, savepoint=False):
-        if run_id is None:  # a fresh uuid4: nothing to collide with, nothing to look up
+        if run_id is None:
             run.save(using=db, force_insert=True)
             created = True
         else:
             run, created = store.insert_run(db, run)
         if created:
-            store.ensure_wake(
-                db, run.pk, run.shard, store.wake_key(run.pk, "start"), now_ms, now_ms
-            )
+            store.ensure_wake(db, run.pk, run.shard, start_key, now_ms, now_ms)
     return run
 
 

@@ -79,6 +79,24 @@ def test_start_writes_the_run_and_its_timer_in_the_callers_transaction(clock):
     assert timer.shard == run.shard
 
 
+@pytest.mark.postgres
+def test_start_outside_a_transaction_is_one_statement_that_notifies(clock):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with connection.cursor() as cursor:
+        cursor.execute("LISTEN durable_timers")
+    with CaptureQueriesContext(connection) as queries:
+        run = hello.start("ann")
+    assert len(queries) == 1 and "pg_notify" in queries[0]["sql"]
+    (timer,) = wake_timers(run)
+    notices = [n.payload for n in connection.connection.notifies(timeout=1, stop_after=1)]
+    assert notices == [f"{timer.shard},{timer.pk},{timer.fire_at_ms}"]
+    assert WorkflowRun.objects.get(pk=run.pk).created_at is not None
+    with connection.cursor() as cursor:
+        cursor.execute("UNLISTEN durable_timers")
+
+
 def test_a_run_id_makes_start_idempotent(clock):
     first = hello.start("ann", run_id="greet-ann")
     again = hello.start("bob", run_id="greet-ann")
