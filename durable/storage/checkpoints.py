@@ -185,26 +185,18 @@ def _row_params(inserts: Sequence[dict[str, Any]]) -> list[Any]:
 def _insert(
     db: str, run_id: str, inserts: Sequence[dict[str, Any]], now_ms: int, *, held: bool
 ) -> bool:
-    connection = connections[db]
-    when = connection.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
-    if held:
-        added, params = _added("%s", "", inserts, when)
-        sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {_ASYNC}"
-        params = [run_id, *params] if inserts else []
-    else:
+    when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    if not held:
         # One statement: the UPDATE locks the run row (and finds nothing once it no
         # longer runs); the INSERT feeds on its result, so a stopped run gets nothing.
-        added, params = _added("held.id", "held, ", inserts, when)
-        sql = (
-            "WITH held AS (UPDATE durable_workflowrun SET updated_at = %s "
-            f"WHERE id = %s AND state = %s RETURNING id){', ' + added if added else ''} "
-            f"SELECT (SELECT count(*) FROM held), {_ASYNC}"
-        )
-        params = [when, run_id, WorkflowState.RUNNING, *params]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        found, _ = cursor.fetchone()
-    return bool(found)
+        # The caller's transaction is fenced already.
+        found, _ = _run_statement(db, run_id, None, "updated_at = %s", [when], inserts, when)
+        return found
+    added, params = _added("%s", "", inserts, when)
+    sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {_ASYNC}"
+    with connections[db].cursor() as cursor:
+        cursor.execute(sql, [run_id, *params] if inserts else [])
+    return True
 
 
 def _added(
@@ -316,7 +308,7 @@ def _run_statement(
     added, rows = _added("held.id", "held, ", inserts, when)
     added = f", {added}" if added else ""
     ctes, tail_params, tail_column = tail
-    if lease is None:  # unfenced: tests calling resume_once() directly
+    if lease is None:  # fenced by the caller's transaction, or unfenced (tests)
         lease_cte, ours, current, shard_params, token_params = "", "TRUE", "NULL", [], []
     else:
         lease_cte = "lease AS (SELECT token FROM durable_shardlease WHERE shard = %s FOR SHARE), "

@@ -47,6 +47,7 @@ from durable.workflows.records import (
     Status,
     StepCall,
     Suspend,
+    changes,
 )
 
 log = logging.getLogger("durable.workflows")
@@ -145,10 +146,7 @@ class DatabaseBackend:
 
     def _flush(self, staged: dict[int, Record], now: int, *, held: bool) -> None:
         """Write the pending records (locking the run first unless ``held``)."""
-        known = {**self._known, **staged}
-        ordered = sorted(self._pending.items())
-        inserts = [asdict(r) for s, r in ordered if s not in known]
-        updates = [asdict(r) for s, r in ordered if s in known and r != known[s]]
+        inserts, updates = changes(self._pending, {**self._known, **staged})
         if not cp.commit_steps(self.db, self.run_id, inserts, updates, now, held=held):
             raise RunStopped(f"run {self.run_id} is no longer running")
         staged.update(self._pending)
@@ -190,16 +188,27 @@ class DatabaseBackend:
         True when done; False when the general checkpoint must do it (another database,
         or a pending record that updates an earlier one, such as a settled sleep).
         """
-        if not cp.is_postgres(self.db) or any(seq in self._known for seq in self._pending):
+        rows = self._new_rows()
+        if rows is None:
             return False
-        ordered = sorted(self._pending.items())
-        rows = [asdict(record) for _, record in ordered]
-        if not cp.record_steps(self.db, self.run_id, self.lease, rows, self.now_ms()):
-            self._pending.clear()
-            raise RunStopped(f"run {self.run_id} is no longer running")
-        self._known.update(ordered)
-        self._pending.clear()
+        self._written(cp.record_steps(self.db, self.run_id, self.lease, rows, self.now_ms()))
         return True
+
+    def _new_rows(self) -> list[dict[str, Any]] | None:
+        """The pending records as rows, if the one-statement paths can write them
+        (PostgreSQL, and no record that changes an earlier one); else None."""
+        if not cp.is_postgres(self.db):
+            return None
+        inserts, updates = changes(self._pending, self._known)
+        return None if updates else inserts
+
+    def _written(self, running: bool) -> None:
+        """After a one-statement write: the pending records are known now, or, if the run
+        was no longer running, nothing was written and the replay stops."""
+        pending, self._pending = self._pending, {}
+        if not running:
+            raise RunStopped(f"run {self.run_id} is no longer running")
+        self._known.update(pending)
 
     def _run_atomic(self, call: StepCall) -> Record:
         record = _done(call, None)
@@ -329,24 +338,18 @@ class DatabaseBackend:
         """End the run in one statement (PostgreSQL; no parent to wake, no record to
         change): the run's end, its pending records and its wake-up's fire commit together.
         False when the general checkpoint must do it."""
-        if self.parent_id is not None or not cp.is_postgres(self.db):
-            return False
-        if any(seq in self._known for seq in self._pending):
+        rows = self._new_rows() if self.parent_id is None else None
+        if rows is None:
             return False
         fire = current_fire()
         claim = None
         if fire is not None and fire.token is not None and not fire.completed:
             claim = cp.Claim(timer_id=fire.timer_id, attempts=fire.attempt, token=fire.token)
-        ordered = sorted(self._pending.items())
-        rows = [asdict(record) for _, record in ordered]
         end = (state, result, error)
         ended, fired = cp.finish_run(
             self.db, self.run_id, self.lease, end, rows, claim, self.now_ms()
         )
-        self._pending.clear()
-        if not ended:
-            raise RunStopped(f"run {self.run_id} is no longer running")
-        self._known.update(ordered)
+        self._written(ended)
         if fired:
             assert fire is not None
             transaction.on_commit(lambda: fire.completed.append(True), using=self.db)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -34,7 +33,7 @@ from durable.storage import wakeups
 from durable.storage import workflows as store
 from durable.storage.checkpoints import RunSnapshot
 from durable.workflows.backend import event, suspend_key
-from durable.workflows.records import Record, Suspend
+from durable.workflows.records import Record, Suspend, changes
 
 if TYPE_CHECKING:
     from durable.workflows.runguard import Handovers, RunGuard
@@ -80,13 +79,12 @@ class InlineBackend:
         self._end(state, result, error)
 
     def _end(self, state: str, result: Any = None, error: str = "") -> None:
-        ordered = sorted(self._pending.items())
-        known = self._known
+        inserts, updates = changes(self._pending, self._known)
         self.end = wakeups.RunEnd(
             run_id=self.run_id,
             state=state,
-            inserts=[asdict(r) for seq, r in ordered if seq not in known],
-            updates=[asdict(r) for seq, r in ordered if seq in known and r != known[seq]],
+            inserts=inserts,
+            updates=updates,
             result=result,
             error=error,
         )
@@ -110,7 +108,10 @@ class InlineBatch:
     def __init__(self) -> None:
         self.backends: dict[str, InlineBackend] = {}
         self.handover: dict[str, RunSnapshot] = {}
-        """Runs whose replay needs the executor, as read: marked running by the batch."""
+        """Runs whose replay needs the executor, as read."""
+        self.sent: set[str] = set()
+        """Runs whose timer the firer sent the usual way (those of ``handover`` among them
+        are marked running by the batch and handed over)."""
         self.fired: set[str] = set()
         """Runs whose timer the firer has run (a timer left for the next batch has not)."""
 
@@ -121,13 +122,18 @@ class InlineBatch:
         assert end is not None
         return end.state
 
+    def handed_over(self) -> dict[str, RunSnapshot]:
+        """The histories to hand over: runs that need the executor and whose timer the
+        firer sent there in this batch (not one left for the next batch)."""
+        return {run_id: self.handover[run_id] for run_id in sorted(self.sent & set(self.handover))}
+
     def write(self, db: str) -> None:
         """Write the ends of the runs whose timers fired, their wake-ups and their parents'."""
         backends = [self.backends[run_id] for run_id in sorted(self.fired)]
         ends = [b.end for b in backends if b.end is not None]
         now = current_clock().now_ms()
         wakeups.write_ends(db, ends, now)
-        wakeups.mark_running(db, sorted(self.handover), now)
+        wakeups.mark_running(db, list(self.handed_over()), now)
         for backend in backends:
             assert backend.end is not None
             if backend.wake is not None:
@@ -191,10 +197,10 @@ def replaying(
             raise RedoCarefully("writing the inline replays failed") from exc
         for run_id in batch.fired:
             handovers.discard(run_id)
-        if batch.handover:
-            token = handovers.offer(batch.handover)
-            handed = sorted(batch.handover)
-            transaction.on_commit(lambda: handovers.confirm(handed, token), using=db)
+        handed = batch.handed_over()
+        if handed:
+            token = handovers.offer(handed)
+            transaction.on_commit(lambda: handovers.confirm(list(handed), token), using=db)
     finally:
         # Nothing of these runs is replayed in this process until the batch commits: the
         # executor's replays begin by updating the run row, which waits for our lock.

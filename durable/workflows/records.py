@@ -10,8 +10,8 @@ golden-history replayer's backend refuses to do anything live; the in-memory bac
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from durable.core.backoff import Backoff
@@ -81,6 +81,21 @@ class Record:
             attempts=int(data.get("attempts", 0)),
             wake_ms=data.get("wake_ms"),
         )
+
+
+def changes(
+    pending: Mapping[int, Record], known: Mapping[int, Record]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split ``pending`` records against the ``known`` ones into rows to insert (new seqs)
+    and rows to update (known seqs whose record changed), both in seq order."""
+    inserts: list[dict[str, Any]] = []
+    updates: list[dict[str, Any]] = []
+    for seq, record in sorted(pending.items()):
+        if seq not in known:
+            inserts.append(asdict(record))
+        elif record != known[seq]:
+            updates.append(asdict(record))
+    return inserts, updates
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -68,8 +68,10 @@ class WorkflowKind:
         one that resumes the run on the executor, outside the batch transaction.
         """
         batch: InlineBatch | None = getattr(self._local, "batch", None)
-        if batch is not None and run_id in batch.backends:
-            return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
+        if batch is not None:
+            if run_id in batch.backends:
+                return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
+            batch.sent.add(run_id)
         return HandlerSpec(name=f"workflow:{run_id}", fn=partial(self.resume, run_id), atomic=False)
 
     @contextmanager
