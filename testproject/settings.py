@@ -77,6 +77,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # after the main file so that runs with different DATABASE_URLs never collide.
     _main = Path(DATABASES["default"]["NAME"])
     DATABASES["default"]["TEST"] = {"NAME": str(_main.with_name(f"test_{_main.name}"))}
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # Let psycopg prepare the worker's hot statements (durable.storage.statements):
+    # Django turns preparing off unless asked, for the sake of connection poolers in
+    # transaction mode; this project talks to PostgreSQL directly.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("prepare_threshold", 5)
 
 DURABLE = {
     "SHARDS": env.int("DURABLE_SHARDS", default=64),

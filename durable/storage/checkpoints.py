@@ -25,6 +25,7 @@ from django.db import connections
 
 from durable.exceptions import LeaseLost
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowState, WorkflowStep
+from durable.storage import statements
 from durable.storage.leases import ms_to_dt
 
 STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "wake_ms")
@@ -78,7 +79,7 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
         f"WHERE id = %s AND state IN ({placeholders}) RETURNING {', '.join(RUN_FIELDS)}{extra}"
     )
     when = connection.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
-    with connection.cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(sql, [WorkflowState.RUNNING, when, run_id, *ACTIVE])
         row = cursor.fetchone()
     if row is None:
@@ -194,7 +195,7 @@ def _insert(
         return found
     added, params = _added("%s", "", inserts, when)
     sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {_ASYNC}"
-    with connections[db].cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(sql, [run_id, *params] if inserts else [])
     return True
 
@@ -324,7 +325,7 @@ def _run_statement(
     )
     params = [*shard_params, *set_params, run_id, WorkflowState.RUNNING, *token_params, *rows,
               *tail_params, *token_params]  # fmt: skip
-    with connections[db].cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(sql, params)
         is_ours, found, token, extra = cursor.fetchone()[:4]
     if not is_ours:

@@ -20,11 +20,11 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from django.db import connections
-from django.db.models import F
 
 from durable.core.sharding import bucket_of
 from durable.models import Timer, TimerState
-from durable.storage.leases import ms_to_dt
+from durable.storage import statements
+from durable.storage.leases import fence_shards, ms_to_dt
 
 _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
@@ -137,7 +137,7 @@ def lock_due(db: str, shards: Sequence[int], ids: Sequence[int], now_ms: int) ->
     """
     conn = connections[db]
     where, params = _ids_clause(conn.vendor, ids)
-    in_shards = ", ".join(["%s"] * len(shards))
+    in_shards, shard_params = _ids_clause(conn.vendor, shards, "shard", "integer")
     lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
     # "pending and due, or firing with an expired claim", spelled so that only the
     # primary key can serve the query (see _NOT_FINISHED): state in {pending, firing},
@@ -145,14 +145,53 @@ def lock_due(db: str, shards: Sequence[int], ids: Sequence[int], now_ms: int) ->
     # fire_at_ms test keeps "never early" even if a row's time moved after the wheel
     # loaded its id; the rescan puts such an id back at its new time.
     sql = (
-        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND shard IN ({in_shards}) "
+        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND {in_shards} "
         f"AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
         f"OR claim_expires_ms <= %s) ORDER BY fire_at_ms, id{lock}"
     )
-    with conn.cursor() as cursor:
-        cursor.execute(sql, [*params, *shards, *_FINISHED, _PENDING, now_ms, now_ms])
+    with statements.cursor(db) as cursor:
+        cursor.execute(sql, [*params, *shard_params, *_FINISHED, _PENDING, now_ms, now_ms])
         rows = cursor.fetchall()
     return list(map(DueTimer._make, rows))
+
+
+def fence_and_lock_due(
+    db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int
+) -> tuple[dict[int, int | None], list[DueTimer]]:
+    """Fence the batch's shards and lock its due timers: (stale shards, due timers).
+
+    :func:`~durable.storage.leases.fence_shards` then :func:`lock_due`, as one statement
+    on PostgreSQL when anything is due: the lease rows are share-locked and their tokens
+    checked before any timer row is locked, and a stale token locks none. When nothing
+    comes back (nothing due, or a stale lease), the plain fence says which, so the
+    result is the same as the two calls'. Stale shards non-empty means nothing locked.
+    """
+    shards = sorted(tokens)
+    if connections[db].vendor != "postgresql":
+        stale = fence_shards(db, tokens)
+        return stale, ([] if stale else lock_due(db, shards, ids, now_ms))
+    where, params = _ids_clause("postgresql", ids)
+    sql = (
+        "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
+        "WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE) "
+        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} "
+        f"AND shard = ANY(%s::integer[]) AND {_NOT_FINISHED} "
+        "AND ((state = %s AND fire_at_ms <= %s) OR claim_expires_ms <= %s) "
+        "AND NOT EXISTS (SELECT 1 FROM unnest(%s::integer[], %s::bigint[]) AS ours(shard, "
+        "token) LEFT JOIN lease USING (shard) WHERE lease.token IS DISTINCT FROM ours.token) "
+        "ORDER BY fire_at_ms, id FOR UPDATE OF durable_timer"
+    )
+    shard_array = _array(shards)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            sql,
+            [shard_array, *params, shard_array, *_FINISHED, _PENDING, now_ms, now_ms,
+             shard_array, _array(tokens[shard] for shard in shards)],
+        )  # fmt: skip
+        rows = cursor.fetchall()
+    if rows:
+        return {}, list(map(DueTimer._make, rows))
+    return fence_shards(db, tokens), []
 
 
 def _json(value: Any) -> Any:
@@ -161,13 +200,24 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
 
 
-def _ids_clause(vendor: str, ids: Sequence[int]) -> tuple[str, list[Any]]:
-    """``id`` in ``ids`` as SQL: one array parameter on PostgreSQL, a list elsewhere."""
+def _ids_clause(
+    vendor: str, ids: Sequence[int], column: str = "id", sql_type: str = "bigint"
+) -> tuple[str, list[Any]]:
+    """``column`` in ``ids`` as SQL: one array parameter on PostgreSQL, a list elsewhere.
+
+    The array keeps the statement's text the same whatever the number of ids, so the
+    server can prepare it once (see :mod:`durable.storage.statements`).
+    """
     if vendor == "postgresql":
         # An array literal built by join: psycopg's list dumper quotes element by element
         # in Python, which showed up at ~10% of the fire path.
-        return "id = ANY(%s::bigint[])", ["{" + ",".join(map(str, map(int, ids))) + "}"]
-    return f"id IN ({', '.join(['%s'] * len(ids))})", list(ids)
+        return f"{column} = ANY(%s::{sql_type}[])", [_array(ids)]
+    return f"{column} IN ({', '.join(['%s'] * len(ids))})", list(ids)
+
+
+def _array(values: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers."""
+    return "{" + ",".join(map(str, map(int, values))) + "}"
 
 
 def mark_fired(
@@ -191,22 +241,19 @@ def mark_fired(
     where, params = _ids_clause(conn.vendor, ids)
     when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
     shards = sorted(tokens)
-    token_of_shard = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
-    with conn.cursor() as cursor:
+    if conn.vendor == "postgresql":  # one statement text whatever the shards
+        token_of_shard = "(%s::bigint[])[array_position(%s::integer[], shard)]"
+        token_params = [_array(tokens[shard] for shard in shards), _array(shards)]
+    else:
+        token_of_shard = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
+        token_params = [v for shard in shards for v in (shard, tokens[shard])]
+    with statements.cursor(db) as cursor:
         cursor.execute(
             f"UPDATE durable_timer SET state = %s, fired_token = {token_of_shard}, "
             "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '', "
             "attempts = CASE WHEN state = %s THEN attempts + 1 ELSE attempts END "
             f"WHERE {where} AND {_NOT_FINISHED}",
-            [
-                _FIRED,
-                *(v for shard in shards for v in (shard, tokens[shard])),
-                when,
-                when,
-                _PENDING,
-                *params,
-                *_FINISHED,
-            ],
+            [_FIRED, *token_params, when, when, _PENDING, *params, *_FINISHED],
         )
     for timer_id, result in (results or {}).items():
         Timer.objects.using(db).filter(id=timer_id).update(result=result)
@@ -241,11 +288,30 @@ def mark_failed(
     )
 
 
-def claim(db: str, ids: Iterable[int], claim_expires_ms: int) -> None:
-    """Mark external fires as running until ``claim_expires_ms`` (attempt counted now)."""
-    Timer.objects.using(db).filter(id__in=list(ids)).update(
-        state=TimerState.FIRING, claim_expires_ms=claim_expires_ms, attempts=F("attempts") + 1
+def claim(db: str, ids: Iterable[int], claim_expires_ms: int, *, durable: bool = True) -> None:
+    """Mark external fires as running until ``claim_expires_ms`` (attempt counted now).
+
+    ``durable=False`` lets the transaction commit asynchronously on PostgreSQL: for a
+    batch that wrote nothing but claims. A claim lost to a database crash leaves its
+    timer pending, to fire again; the handler's own writes come later in the log, so
+    none of them can survive without it.
+    """
+    ids = list(ids)
+    if not ids:
+        return
+    conn = connections[db]
+    where, params = _ids_clause(conn.vendor, ids)
+    sql = (
+        "UPDATE durable_timer SET state = %s, claim_expires_ms = %s, attempts = attempts + 1 "
+        f"WHERE {where}"
     )
+    if not durable and conn.vendor == "postgresql":
+        sql = (
+            f"WITH claimed AS ({sql} RETURNING 1) "
+            "SELECT count(*), set_config('synchronous_commit', 'off', true) FROM claimed"
+        )
+    with statements.cursor(db) as cursor:
+        cursor.execute(sql, [_FIRING, claim_expires_ms, *params])
 
 
 def complete_claim(
@@ -263,7 +329,7 @@ def complete_claim(
     conn = connections[db]
     when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
     sync = ", set_config('synchronous_commit', 'on', true)" if conn.vendor == "postgresql" else ""
-    with conn.cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(
             "UPDATE durable_timer SET state = %s, fired_token = %s, fired_at = %s, "
             "updated_at = %s, claim_expires_ms = NULL, last_error = '' "

@@ -17,6 +17,7 @@ from django.db.models import F, Q
 
 from durable.exceptions import LeaseLost
 from durable.models import ShardLease, WorkerNode
+from durable.storage import statements
 
 
 def ms_to_dt(ms: int) -> datetime:
@@ -156,12 +157,14 @@ def fence_shards(db: str, tokens: Mapping[int, int]) -> dict[int, int | None]:
         raise RuntimeError("fence() must run inside transaction.atomic()")
     shards = sorted(tokens)
     lock = " FOR SHARE" if conn.features.has_select_for_update else ""
-    marks = ", ".join(["%s"] * len(shards))
-    with conn.cursor() as cursor:
+    if conn.vendor == "postgresql":  # one statement text whatever the shards
+        where, params = "shard = ANY(%s::integer[])", ["{" + ",".join(map(str, shards)) + "}"]
+    else:
+        where, params = f"shard IN ({', '.join(['%s'] * len(shards))})", shards
+    with statements.cursor(db) as cursor:
         cursor.execute(
-            f"SELECT shard, token FROM durable_shardlease WHERE shard IN ({marks})"
-            f" ORDER BY shard{lock}",
-            shards,
+            f"SELECT shard, token FROM durable_shardlease WHERE {where} ORDER BY shard{lock}",
+            params,
         )
         found = dict(cursor.fetchall())
     return {s: found.get(s) for s in shards if found.get(s) != tokens[s]}

@@ -17,6 +17,7 @@ from django.db import connections
 from django.db.models import F
 
 from durable.models import WorkflowRun, WorkflowState, WorkflowStep
+from durable.storage import statements
 from durable.storage.checkpoints import (
     ACTIVE,
     HISTORY_SQL,
@@ -61,7 +62,7 @@ def lock_runs(db: str, run_ids: Sequence[str]) -> dict[str, RunSnapshot]:
         f"SELECT id, state, {', '.join(RUN_FIELDS)}, {HISTORY_SQL} FROM durable_workflowrun "
         "WHERE id = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED"
     )
-    with connections[db].cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(sql, [list(run_ids)])
         rows = cursor.fetchall()
     return {
@@ -155,14 +156,23 @@ def _write_ends_sql(db: str, ends: Sequence[RunEnd], when: Any) -> None:
         "updates": json.dumps([{"run_id": e.run_id, **s} for e in ends for s in e.updates]),
         "inserts": json.dumps([{"run_id": e.run_id, **s} for e in ends for s in e.inserts]),
     }
-    with connections[db].cursor() as cursor:
+    with statements.cursor(db) as cursor:
         cursor.execute(_WRITE_ENDS, params)
 
 
 def mark_running(db: str, run_ids: Sequence[str], now_ms: int) -> None:
     """Mark runs locked by :func:`lock_runs` running, as a replay's start does
     (:func:`~durable.storage.checkpoints.begin`): their replay goes to the executor."""
-    if run_ids:
-        WorkflowRun.objects.using(db).filter(pk__in=run_ids).update(
-            state=WorkflowState.RUNNING, replays=F("replays") + 1, updated_at=ms_to_dt(now_ms)
+    if not run_ids:
+        return
+    when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    if is_postgres(db):
+        where, params = "id = ANY(%s)", [list(run_ids)]
+    else:
+        where, params = f"id IN ({', '.join(['%s'] * len(run_ids))})", list(run_ids)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_workflowrun SET state = %s, replays = replays + 1, updated_at = %s "
+            f"WHERE {where}",
+            [WorkflowState.RUNNING, when, *params],
         )

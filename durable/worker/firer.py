@@ -45,7 +45,7 @@ from durable.dispatch.registry import HandlerRegistry, HandlerSpec
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
-from durable.storage.leases import fence, fence_shards
+from durable.storage.leases import fence
 from durable.storage.notify import Announced, collecting
 from durable.worker.logs import event
 from durable.worker.runner import ShardRunner
@@ -173,14 +173,14 @@ class Firer:
         now_ms = self.clock.now_ms()
         deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
         with transaction.atomic(using=self.db), collecting() as announced:
-            stale = fence_shards(self.db, {shard: r.token for shard, r in runners.items()})
+            tokens = {shard: runner.token for shard, runner in runners.items()}
+            stale, due = store.fence_and_lock_due(self.db, tokens, ids, now_ms)
             if stale:
                 raise _Fenced(stale)
             # Fast path: broker publishes (Celery timers) are held and sent in one flush
             # before the commit, and kinds do their batch-wide work once (cron locks all
             # its schedule rows in one read); the careful redo goes one timer at a time,
             # so that a failure is pinned on its own timer.
-            due = store.lock_due(self.db, sorted(runners), ids, now_ms)
             fast = failed is None
             with (
                 publishers.deferred() if fast else contextlib.nullcontext(),
@@ -254,7 +254,9 @@ class Firer:
             external.extend(t.id for t in out.external)
         if external:
             claim_until = now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
-            store.claim(self.db, external, claim_until)
+            # A batch that only claimed commits asynchronously (see store.claim).
+            only_claims = not fired and not any(out.errors for out in outcomes.values())
+            store.claim(self.db, external, claim_until, durable=not only_claims)
 
     def _after_commit(
         self,
