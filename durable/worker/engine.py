@@ -219,9 +219,15 @@ class Engine:
             self._measure_offset()
         for runner in list(self.runners.values()):
             runner.load_ahead(now)
-            if now >= runner.next_rescan_ms:
-                runner.rescan(now)
         fired = self._fire_due()
+        # Rescans come after the fires, so a timer announced by NOTIFY does not wait
+        # behind a shard's rescan; what a rescan finds due is fired in this turn still.
+        found = 0
+        for runner in list(self.runners.values()):
+            if now >= runner.next_rescan_ms:
+                found += runner.rescan(now)
+        if found:
+            fired += self._fire_due()
         if now >= self._next_prune_ms:
             self._prune(now)
         if now >= self._next_sample_ms:
