@@ -9,6 +9,7 @@ next checkpoint.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.db import transaction
@@ -110,18 +111,39 @@ def retry(run_id: WorkflowRun | str) -> WorkflowRun:
     return run
 
 
-def get_result(run_id: WorkflowRun | str) -> Any:
+#: Waiting for a run polls its row: every millisecond at first, then at a twentieth of the
+#: time waited so far (a run that takes minutes is read a few times a second), at most
+#: every ``MAX_POLL_S``.
+MIN_POLL_S = 0.001
+MAX_POLL_S = 0.5
+_FINISHED = (WorkflowState.COMPLETED, WorkflowState.FAILED, WorkflowState.CANCELED)
+
+
+def get_result(run_id: WorkflowRun | str, *, timeout: float | None = None) -> Any:
     """The result of a completed run.
 
     Raises :class:`~durable.exceptions.WorkflowError` (with ``state`` and ``error``
     attributes) if the run failed, was cancelled or has not finished, and
     :class:`~durable.exceptions.UnknownWorkflow` if there is no such run.
+
+    ``timeout`` (seconds) waits that long at most for an unfinished run to finish, by
+    reading its row: every millisecond at first, less often the longer the wait (see
+    ``MAX_POLL_S``). Do not wait inside a transaction: the run's end, committed by the
+    worker, may be invisible to it (repeatable read) and the wait holds the transaction.
     """
     run_id = _run_id(run_id)
-    fields = ("state", "result", "error")
-    row = runs().filter(pk=run_id).values(*fields).first()
-    if row is None:
-        raise UnknownWorkflow(f"no workflow run with id {run_id!r}", run_id=run_id)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or timeout < 0):  # fmt: skip
+        raise ValueError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
+    started = time.monotonic()
+    while True:
+        row = runs().filter(pk=run_id).values("state", "result", "error").first()
+        if row is None:
+            raise UnknownWorkflow(f"no workflow run with id {run_id!r}", run_id=run_id)
+        waited = time.monotonic() - started
+        if row["state"] in _FINISHED or timeout is None or waited >= timeout:
+            break
+        time.sleep(min(max(MIN_POLL_S, waited / 20), MAX_POLL_S, timeout - waited))
     if row["state"] != WorkflowState.COMPLETED:
         detail = f": {row['error']}" if row["error"] else ""
         raise WorkflowError(

@@ -7,10 +7,12 @@ class-style workflows and bulk starts.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 import durable
 from durable.conf import get_settings
@@ -18,6 +20,7 @@ from durable.core.sharding import shard_for
 from durable.exceptions import SignalTimeout, UnknownWorkflow, WorkflowError
 from durable.models import Timer, WorkflowRun, WorkflowSignal, WorkflowStep
 from durable.workflows import get_result, runs
+from durable.workflows.resume import resume_once
 from testproject.demo.models import FireRecord, Order
 from tests.integration import workflow_support as support
 from tests.integration.workflow_support import START_MS, records, wake_timers
@@ -221,3 +224,32 @@ def test_reading_results_and_listing_runs(driver):
     assert not runs().finished().exists()
     with pytest.raises(UnknownWorkflow):
         get_result("missing")
+
+
+def test_get_result_waits_for_the_run_to_finish(driver):
+    run = waiter.start()
+    began = time.monotonic()
+    with pytest.raises(WorkflowError, match="is pending"):
+        get_result(run.pk, timeout=0.05)  # nobody runs it: waits, then says where it stands
+    assert time.monotonic() - began >= 0.05
+    driver.turn()  # it waits for its signal now
+
+    def finish_it():  # another process would: signal it and replay it to its end
+        try:
+            durable.send_signal(run.pk, "go", "now")
+            resume_once(run.pk)
+        finally:
+            connection.close()
+
+    sender = threading.Timer(0.1, finish_it)
+    sender.start()
+    try:
+        assert get_result(run.pk, timeout=10) == "now"  # finished while we waited
+    finally:
+        sender.join()
+    assert get_result(run.pk, timeout=0) == "now"
+    with pytest.raises(UnknownWorkflow):
+        get_result("missing", timeout=0.01)
+    for bad in (-1, "1", True):
+        with pytest.raises(ValueError, match="timeout: expected a number of seconds >= 0"):
+            get_result(run.pk, timeout=bad)
