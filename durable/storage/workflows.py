@@ -31,6 +31,7 @@ from durable.models import (
     WorkflowState,
     WorkflowStep,
 )
+from durable.storage import statements
 from durable.storage.checkpoints import STEP_FIELDS
 from durable.storage.leases import ms_to_dt
 from durable.storage.notify import CHANNEL, collecting_now
@@ -86,7 +87,6 @@ def insert_started(db: str, run: WorkflowRun, timer: Timer) -> None:
     Django's own (``InsertQuery``), so columns, defaults and ``auto_now`` stamps stay the
     ORM's.
     """
-    connection = connections[db]
     run_sql, run_params = _insert_sql(db, WorkflowRun, run, with_pk=True)
     timer_sql, timer_params = _insert_sql(db, Timer, timer, with_pk=False)
     notify = ", pg_notify(%s, t.shard || ',' || t.id || ',' || t.fire_at_ms)"
@@ -97,7 +97,7 @@ def insert_started(db: str, run: WorkflowRun, timer: Timer) -> None:
         f"SELECT t.id{notify if announce_it else ''} FROM t"  # r runs whether read or not
     )
     params = [*run_params, *timer_params, *([CHANNEL] if announce_it else [])]
-    with connection.cursor() as cursor:
+    with statements.cursor(db) as cursor:  # preparable: start() is called in loops too
         cursor.execute(sql, params)
         timer.pk = cursor.fetchone()[0]
     for obj in (run, timer):
