@@ -9,8 +9,11 @@ firer calls ``spec.fn(*timer.args, **timer.kwargs)``, inside the batch transacti
 
 A kind may also register a *batch scope* (:func:`register_batch_scope`): a context
 manager the firer enters around the handlers of a batch on its fast path, given the
-batch's timers of that kind, so that work common to them (cron's locked read of its
-schedule rows, say) is done once per batch instead of once per timer. Inside a scope a
+batch's timers of that kind and the :class:`FiringBatch`, so that work common to them
+(cron's locked read of its schedule rows, say) is done once per batch instead of once
+per timer. A scope may also claim its kind's external timers itself, in a statement it
+runs anyway (the workflow kind marks their runs running in it), and say so in
+``FiringBatch.claimed``. Inside a scope a
 handler may skip its own savepoint and raise :class:`RedoCarefully` when it fails: the
 firer then rolls the batch back and runs it again one timer at a time, each in a
 savepoint, outside any scope.
@@ -20,13 +23,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from durable.dispatch.registry import HandlerSpec, handlers
 
+
+@dataclass(slots=True, kw_only=True)
+class FiringBatch:
+    """What a batch scope is told of its batch, and what it tells the firer back."""
+
+    now_ms: int
+    """The batch's time: what judged its timers due."""
+    claim_until_ms: int
+    """Until when an external timer claimed in this batch stays claimed."""
+    claimed: set[int] = field(default_factory=set)
+    """Timers a scope claimed itself, as :func:`durable.storage.firing.claim` does: the
+    firer does not claim them again."""
+    only_claims: bool = False
+    """Set by the firer after the handlers ran, before the scopes exit: the batch fired
+    nothing in its transaction, so its claims may commit asynchronously (see
+    :func:`durable.storage.firing.claim`)."""
+
+
 Resolver = Callable[[str], HandlerSpec]
-#: ``scope(db, timers of the kind in the batch, now_ms)`` → a context manager.
-BatchScope = Callable[[str, Sequence[Any], int], AbstractContextManager[None]]
+#: ``scope(db, timers of the kind in the batch, batch)`` → a context manager.
+BatchScope = Callable[[str, Sequence[Any], FiringBatch], AbstractContextManager[None]]
 
 _resolvers: dict[str, Resolver] = {"handler": handlers.resolve}
 
@@ -59,11 +81,11 @@ def register_batch_scope(kind: str, scope: BatchScope) -> None:
 
 
 @contextmanager
-def batch_scopes(db: str, timers: Sequence[Any], now_ms: int) -> Iterator[None]:
+def batch_scopes(db: str, timers: Sequence[Any], batch: FiringBatch) -> Iterator[None]:
     """Enter the registered scope of every kind present in ``timers`` (a firing batch)."""
     with ExitStack() as stack:
         for kind, scope in _scopes.items():
             mine = [timer for timer in timers if timer.kind == kind]
             if mine:
-                stack.enter_context(scope(db, mine, now_ms))
+                stack.enter_context(scope(db, mine, batch))
         yield

@@ -40,7 +40,12 @@ from durable.core.catchup import Decision, Run, decide
 from durable.core.errors import sanitize_error
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import RedoCarefully, register_batch_scope, register_kind
+from durable.dispatch.kinds import (
+    FiringBatch,
+    RedoCarefully,
+    register_batch_scope,
+    register_kind,
+)
 from durable.dispatch.registry import HandlerSpec
 from durable.models import CronSchedule, TimerState
 from durable.scheduling import together
@@ -373,8 +378,11 @@ def _note_skips(row: CronSchedule, decision: Decision) -> None:
     )
 
 
-def _batch_scope(db: str, timers: Sequence[Any], now_ms: int) -> AbstractContextManager[None]:
+def _batch_scope(
+    db: str, timers: Sequence[Any], batch: FiringBatch
+) -> AbstractContextManager[None]:
     """The ``cron`` kind's batch scope: the batch's atomic occurrences fire together."""
+    now_ms = batch.now_ms
     names = [t.target for t in timers if _modes.get(t.target) is not False]
     if not names:
         return nullcontext()

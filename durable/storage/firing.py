@@ -300,18 +300,25 @@ def claim(db: str, ids: Iterable[int], claim_expires_ms: int, *, durable: bool =
     if not ids:
         return
     conn = connections[db]
-    where, params = _ids_clause(conn.vendor, ids)
-    sql = (
-        "UPDATE durable_timer SET state = %s, claim_expires_ms = %s, attempts = attempts + 1 "
-        f"WHERE {where}"
-    )
+    sql, params = claim_sql(conn.vendor, ids, claim_expires_ms)
     if not durable and conn.vendor == "postgresql":
-        sql = (
-            f"WITH claimed AS ({sql} RETURNING 1) "
-            "SELECT count(*), set_config('synchronous_commit', 'off', true) FROM claimed"
-        )
+        sql = f"WITH claimed AS ({sql} RETURNING 1) SELECT count(*), {LAZY_COMMIT} FROM claimed"
     with statements.cursor(db) as cursor:
-        cursor.execute(sql, [_FIRING, claim_expires_ms, *params])
+        cursor.execute(sql, params)
+
+
+#: A SELECT column that makes the transaction commit asynchronously (PostgreSQL).
+LAZY_COMMIT = "set_config('synchronous_commit', 'off', true)"
+
+
+def claim_sql(vendor: str, ids: Sequence[int], claim_expires_ms: int) -> tuple[str, list[Any]]:
+    """The UPDATE that claims ``ids`` (see :func:`claim`), for a statement of one's own."""
+    where, params = _ids_clause(vendor, ids)
+    return (
+        "UPDATE durable_timer SET state = %s, claim_expires_ms = %s, attempts = attempts + 1 "
+        f"WHERE {where}",
+        [_FIRING, claim_expires_ms, *params],
+    )
 
 
 def complete_claim(

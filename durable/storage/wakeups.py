@@ -17,7 +17,7 @@ from django.db import connections
 from django.db.models import F
 
 from durable.models import WorkflowRun, WorkflowState, WorkflowStep
-from durable.storage import statements
+from durable.storage import firing, statements
 from durable.storage.checkpoints import (
     ACTIVE,
     HISTORY_SQL,
@@ -160,19 +160,44 @@ def _write_ends_sql(db: str, ends: Sequence[RunEnd], when: Any) -> None:
         cursor.execute(_WRITE_ENDS, params)
 
 
-def mark_running(db: str, run_ids: Sequence[str], now_ms: int) -> None:
+def mark_running(
+    db: str,
+    run_ids: Sequence[str],
+    now_ms: int,
+    claim: Sequence[int] = (),
+    claim_until_ms: int = 0,
+    *,
+    lazy: bool = False,
+) -> set[int]:
     """Mark runs locked by :func:`lock_runs` running, as a replay's start does
-    (:func:`~durable.storage.checkpoints.begin`): their replay goes to the executor."""
+    (:func:`~durable.storage.checkpoints.begin`): their replay goes to the executor.
+
+    On PostgreSQL, the same statement claims the timers ``claim`` until
+    ``claim_until_ms`` (:func:`~durable.storage.firing.claim`; asynchronously committed
+    if ``lazy``), and the claimed ids are returned; elsewhere nothing is claimed.
+    """
     if not run_ids:
-        return
+        return set()
     when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
-    if is_postgres(db):
-        where, params = "id = ANY(%s)", [list(run_ids)]
-    else:
-        where, params = f"id IN ({', '.join(['%s'] * len(run_ids))})", list(run_ids)
+    update = "UPDATE durable_workflowrun SET state = %s, replays = replays + 1, updated_at = %s"
+    params: list[Any] = [WorkflowState.RUNNING, when]
+    if not is_postgres(db):
+        marks = ", ".join(["%s"] * len(run_ids))
+        with statements.cursor(db) as cursor:
+            cursor.execute(f"{update} WHERE id IN ({marks})", [*params, *run_ids])
+        return set()
+    if not claim:
+        with statements.cursor(db) as cursor:
+            cursor.execute(f"{update} WHERE id = ANY(%s)", [*params, list(run_ids)])
+        return set()
+    claim_update, claim_params = firing.claim_sql("postgresql", claim, claim_until_ms)
+    sql = (
+        f"WITH runs AS ({update} WHERE id = ANY(%s) RETURNING 1), "
+        f"claimed AS ({claim_update} RETURNING id) "
+        "SELECT (SELECT count(*) FROM runs), array(SELECT id FROM claimed)"
+        f"{', ' + firing.LAZY_COMMIT if lazy else ''}"
+    )
     with statements.cursor(db) as cursor:
-        cursor.execute(
-            "UPDATE durable_workflowrun SET state = %s, replays = replays + 1, updated_at = %s "
-            f"WHERE {where}",
-            [WorkflowState.RUNNING, when, *params],
-        )
+        cursor.execute(sql, [*params, list(run_ids), *claim_params])
+        claimed = cursor.fetchone()[1]
+    return set(claimed)

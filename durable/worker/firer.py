@@ -182,9 +182,12 @@ class Firer:
             # its schedule rows in one read); the careful redo goes one timer at a time,
             # so that a failure is pinned on its own timer.
             fast = failed is None
+            batch = kinds.FiringBatch(
+                now_ms=now_ms, claim_until_ms=now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
+            )
             with (
                 publishers.deferred() if fast else contextlib.nullcontext(),
-                kinds.batch_scopes(self.db, due, now_ms) if fast else contextlib.nullcontext(),
+                kinds.batch_scopes(self.db, due, batch) if fast else contextlib.nullcontext(),
             ):
                 for timer in due:
                     out = outcomes[timer.shard]
@@ -193,7 +196,9 @@ class Firer:
                         continue
                     out.lateness_ms.append(now_ms - timer.fire_at_ms)
                     self._run_one(timer, now_ms, runners[timer.shard].token, failed, out)
-            self._record(runners, outcomes, now_ms)
+                # A batch that only claimed commits asynchronously (see store.claim).
+                batch.only_claims = not any(o.fired or o.errors for o in outcomes.values())
+            self._record(runners, outcomes, batch)
         return outcomes, announced
 
     def _run_one(
@@ -232,8 +237,12 @@ class Firer:
             out.errors.append((timer, exc))
 
     def _record(
-        self, runners: dict[int, ShardRunner], outcomes: dict[int, BatchOutcome], now_ms: int
+        self,
+        runners: dict[int, ShardRunner],
+        outcomes: dict[int, BatchOutcome],
+        batch: kinds.FiringBatch,
     ) -> None:
+        now_ms = batch.now_ms
         fired = [pair for out in outcomes.values() for pair in out.fired]
         results = {t.id: _json_value(v) for t, v in fired if t.on_complete}
         tokens = {shard: runner.token for shard, runner in runners.items()}
@@ -251,12 +260,9 @@ class Firer:
             for timer, exc in out.errors:
                 token = runners[shard].token
                 self._retry_or_fail(timer, timer.attempts + 1, token, exc, now_ms, out.readd)
-            external.extend(t.id for t in out.external)
+            external.extend(t.id for t in out.external if t.id not in batch.claimed)
         if external:
-            claim_until = now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
-            # A batch that only claimed commits asynchronously (see store.claim).
-            only_claims = not fired and not any(out.errors for out in outcomes.values())
-            store.claim(self.db, external, claim_until, durable=not only_claims)
+            store.claim(self.db, external, batch.claim_until_ms, durable=not batch.only_claims)
 
     def _after_commit(
         self,

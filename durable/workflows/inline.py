@@ -27,7 +27,7 @@ from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
 from durable.core.sharding import shard_for
-from durable.dispatch.kinds import RedoCarefully
+from durable.dispatch.kinds import FiringBatch, RedoCarefully
 from durable.models import WorkflowState
 from durable.storage import wakeups
 from durable.storage import workflows as store
@@ -127,13 +127,22 @@ class InlineBatch:
         firer sent there in this batch (not one left for the next batch)."""
         return {run_id: self.handover[run_id] for run_id in sorted(self.sent & set(self.handover))}
 
-    def write(self, db: str) -> None:
-        """Write the ends of the runs whose timers fired, their wake-ups and their parents'."""
+    def write(self, db: str, timers: Sequence[Any], firing: FiringBatch) -> None:
+        """Write the ends of the runs whose timers fired, their wake-ups and their parents';
+        mark the handed-over runs running and claim their timers (``firing.claimed``)."""
         backends = [self.backends[run_id] for run_id in sorted(self.fired)]
         ends = [b.end for b in backends if b.end is not None]
         now = current_clock().now_ms()
         wakeups.write_ends(db, ends, now)
-        wakeups.mark_running(db, list(self.handed_over()), now)
+        handed = list(self.handed_over())
+        firing.claimed |= wakeups.mark_running(
+            db,
+            handed,
+            now,
+            _lone_timers(timers, handed),
+            firing.claim_until_ms,
+            lazy=firing.only_claims,
+        )
         for backend in backends:
             assert backend.end is not None
             if backend.wake is not None:
@@ -146,6 +155,22 @@ class InlineBatch:
                 store.ensure_wake(db, parent, shard, key, now, now)
 
 
+def _lone_timers(timers: Sequence[Any], run_ids: Sequence[str]) -> list[int]:
+    """The timers of ``timers`` that are their run's only one in the batch, for ``run_ids``.
+
+    A handed-over run's timer went to the executor; it is claimed with its run marked
+    running. A run with two timers in the batch is left to the firer's claim: one of
+    them may have been left for the next batch (time budget), and ``sent`` says only
+    that some timer of the run was sent.
+    """
+    wanted = set(run_ids)
+    per_run: dict[str, list[int]] = {}
+    for timer in timers:
+        if timer.target in wanted:
+            per_run.setdefault(timer.target, []).append(timer.id)
+    return sorted(ids[0] for ids in per_run.values() if len(ids) == 1)
+
+
 #: ``replay(backend, snapshot, history)``: one replay, as ``resume.replay`` runs it.
 Replay = Callable[[InlineBackend, RunSnapshot, list[Record]], str]
 
@@ -154,12 +179,13 @@ Replay = Callable[[InlineBackend, RunSnapshot, list[Record]], str]
 def replaying(
     db: str,
     timers: Sequence[Any],
-    now_ms: int,
+    firing: FiringBatch,
     guard: RunGuard,
     replay: Replay,
     handovers: Handovers,
 ) -> Iterator[InlineBatch]:
-    """Replay the runs of ``timers`` inline; on exit, write the ends of those fired.
+    """Replay the runs of ``timers`` inline; on exit, write the ends of those fired and
+    claim the timers of the runs handed over.
 
     A run that another thread of this worker is replaying is left to the usual way (its
     guard is busy, and the busy replay is asked to go round again). The histories of the
@@ -177,7 +203,7 @@ def replaying(
                 continue
             entered.append(run_id)
             history = [Record(**step) for step in snapshot.steps]
-            backend = InlineBackend(snapshot, history, now_ms)
+            backend = InlineBackend(snapshot, history, firing.now_ms)
             try:
                 replay(backend, snapshot, history)
             except NeedsWorker:
@@ -191,7 +217,7 @@ def replaying(
                 batch.backends[run_id] = backend
         yield batch
         try:
-            batch.write(db)
+            batch.write(db, timers, firing)
         except Exception as exc:  # the batch is redone without inline replays
             event(logging.WARNING, "workflow.inline_write_failed", error=sanitize_error(exc))
             raise RedoCarefully("writing the inline replays failed") from exc

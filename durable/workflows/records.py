@@ -11,7 +11,7 @@ golden-history replayer's backend refuses to do anything live; the in-memory bac
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from durable.core.backoff import Backoff
@@ -55,6 +55,23 @@ class Record:
     wake_ms: int | None = None
     """Sleep end, signal-wait deadline, or when a retrying step's next attempt is due."""
 
+    def row(self) -> dict[str, Any]:
+        """This record's fields as a dict (the step row's columns but the run).
+
+        Shallow, unlike ``dataclasses.asdict``: a result is JSON and never changed
+        once recorded, and a deep copy of it per checkpoint showed in the step's cost.
+        """
+        return {
+            "seq": self.seq,
+            "kind": self.kind,
+            "name": self.name,
+            "status": self.status,
+            "result": self.result,
+            "error": self.error,
+            "attempts": self.attempts,
+            "wake_ms": self.wake_ms,
+        }
+
     def to_json(self) -> dict[str, Any]:
         """This record as a JSON-ready dict (the golden history file format)."""
         data: dict[str, Any] = {"seq": self.seq, "kind": self.kind, "name": self.name}
@@ -92,9 +109,9 @@ def changes(
     updates: list[dict[str, Any]] = []
     for seq, record in sorted(pending.items()):
         if seq not in known:
-            inserts.append(asdict(record))
+            inserts.append(record.row())
         elif record != known[seq]:
-            updates.append(asdict(record))
+            updates.append(record.row())
     return inserts, updates
 
 

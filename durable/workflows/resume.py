@@ -11,9 +11,10 @@ again: the replay starts over from the recorded history.
 
 Wake-ups whose replay performs nothing live (a sleep that ends, say) are replayed
 inside the firing batch instead (:mod:`durable.workflows.inline`, the kind's batch
-scope). The runs that scope found needing the executor are marked running in the batch
-and their histories handed over (:class:`~durable.workflows.runguard.Handovers`), so
-their replay need not read them again.
+scope). The runs that scope found needing the executor are marked running in the batch,
+their timers claimed in the same statement, and their histories handed over
+(:class:`~durable.workflows.runguard.Handovers`), so their replay need not read them
+again.
 
 Within one worker, :class:`~durable.workflows.runguard.RunGuard` sees to it that a run
 is never replayed by two threads at once and that no wake-up is lost to a busy run.
@@ -35,7 +36,7 @@ from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import register_batch_scope, register_kind
+from durable.dispatch.kinds import FiringBatch, register_batch_scope, register_kind
 from durable.dispatch.registry import HandlerSpec
 from durable.exceptions import WorkflowError
 from durable.models import WorkflowState
@@ -75,9 +76,9 @@ class WorkflowKind:
         return HandlerSpec(name=f"workflow:{run_id}", fn=partial(self.resume, run_id), atomic=False)
 
     @contextmanager
-    def batch_scope(self, db: str, timers: Sequence[Any], now_ms: int) -> Iterator[None]:
+    def batch_scope(self, db: str, timers: Sequence[Any], firing: FiringBatch) -> Iterator[None]:
         """The kind's batch scope: replay the batch's runs inline where that is enough."""
-        with replaying(db, timers, now_ms, self.guard, replay, self.handovers) as batch:
+        with replaying(db, timers, firing, self.guard, replay, self.handovers) as batch:
             self._local.batch = batch
             try:
                 yield

@@ -200,3 +200,31 @@ def test_the_checkpoint_that_suspends_marks_the_wake_up_last_and_commits_synchro
     assert start.state == "fired"
     assert settings_seen and settings_seen[0] == "on" and not flushed_after
     assert driver.settle(run, "completed", turns=20).result == "rested"
+
+
+@pytest.mark.postgres
+def test_a_handed_over_run_is_marked_running_with_its_timer_claimed_in_one_statement(driver):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    run = step_then_nap.start()  # its first call is a step: the start goes to the executor
+    with CaptureQueriesContext(connection) as queries:
+        driver.turn()
+    sql = [q["sql"] for q in queries.captured_queries]
+    merged = [s for s in sql if "UPDATE durable_workflowrun" in s and "claimed AS (UPDATE" in s]
+    claims = [s for s in sql if "SET state = 'firing'" in s or "claim_expires_ms = " in s]
+    assert len(merged) == 1 and claims == merged, "the firer did not claim it again"
+    assert driver.settle(run, "completed", turns=20).result == "rested"
+    start = Timer.objects.get(key=f"wf:{run.pk}:start")
+    assert (start.state, start.attempts) == ("fired", 1)  # claimed once: one attempt
+
+
+def test_only_a_runs_lone_timer_is_claimed_with_it():
+    from types import SimpleNamespace as T
+
+    from durable.workflows.inline import _lone_timers
+
+    timers = [T(id=1, target="a"), T(id=2, target="b"), T(id=3, target="b"), T(id=4, target="c")]
+    # b has two timers in the batch (one may have been left for the next batch): the
+    # firer claims those; c was not handed over.
+    assert _lone_timers(timers, ["a", "b"]) == [1]
