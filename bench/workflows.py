@@ -12,8 +12,10 @@ and in bulk (``start_many``); 10,000 sleeping workflows (wake lateness, and the 
 threads and RSS while they sleep).
 
 The worker is a real ``manage.py run_timer_shards`` subprocess with default settings,
-``DEBUG=False`` and persistent database connections (``conn_max_age=600`` in the URL, as
-a worker should run). DBOS runs in its own virtualenv and process
+``DEBUG=False``, persistent database connections (``conn_max_age=600`` in the URL) and
+psycopg's prepared statements (``prepare_threshold=5``, set by the test project's
+settings), as docs/how-to/run-the-worker.md says a worker should run. The one-at-a-time
+caller waits with ``get_result(run, timeout=...)``. DBOS runs in its own virtualenv and process
 (``bench/peers/dbos_peer.py``) on its own database of the same server.
 """
 
