@@ -40,6 +40,8 @@ def cursor(db: str) -> Any:
     conn = connections[db]
     if conn.vendor != "postgresql" or ServerBindingCursor is None:
         return conn.cursor()
+    # What BaseDatabaseWrapper._cursor() does, with our cursor class instead of the
+    # connection's factory (Django has no public way to ask for one cursor's binding).
     conn.close_if_health_check_failed()
     conn.ensure_connection()
     with conn.wrap_database_errors:
