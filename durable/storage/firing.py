@@ -136,21 +136,10 @@ def lock_due(db: str, shards: Sequence[int], ids: Sequence[int], now_ms: int) ->
     silently: the wheel holds ids only, and the row is the truth.
     """
     conn = connections[db]
-    where, params = _ids_clause(conn.vendor, ids)
-    in_shards, shard_params = _ids_clause(conn.vendor, shards, "shard", "integer")
+    select, params = _due(conn.vendor, shards, ids, now_ms)
     lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
-    # "pending and due, or firing with an expired claim", spelled so that only the
-    # primary key can serve the query (see _NOT_FINISHED): state in {pending, firing},
-    # and then due or a claim that expired (a NULL claim compares unknown: not due). The
-    # fire_at_ms test keeps "never early" even if a row's time moved after the wheel
-    # loaded its id; the rescan puts such an id back at its new time.
-    sql = (
-        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND {in_shards} "
-        f"AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
-        f"OR claim_expires_ms <= %s) ORDER BY fire_at_ms, id{lock}"
-    )
     with statements.cursor(db) as cursor:
-        cursor.execute(sql, [*params, *shard_params, *_FINISHED, _PENDING, now_ms, now_ms])
+        cursor.execute(f"{select} ORDER BY fire_at_ms, id{lock}", params)
         rows = cursor.fetchall()
     return list(map(DueTimer._make, rows))
 
@@ -170,54 +159,47 @@ def fence_and_lock_due(
     if connections[db].vendor != "postgresql":
         stale = fence_shards(db, tokens)
         return stale, ([] if stale else lock_due(db, shards, ids, now_ms))
-    where, params = _ids_clause("postgresql", ids)
+    select, params = _due("postgresql", shards, ids, now_ms)
+    shard_array = statements.int_array(shards)
     sql = (
         "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
-        "WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE) "
-        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} "
-        f"AND shard = ANY(%s::integer[]) AND {_NOT_FINISHED} "
-        "AND ((state = %s AND fire_at_ms <= %s) OR claim_expires_ms <= %s) "
+        f"WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE) {select} "
         "AND NOT EXISTS (SELECT 1 FROM unnest(%s::integer[], %s::bigint[]) AS ours(shard, "
         "token) LEFT JOIN lease USING (shard) WHERE lease.token IS DISTINCT FROM ours.token) "
         "ORDER BY fire_at_ms, id FOR UPDATE OF durable_timer"
     )
-    shard_array = _array(shards)
+    tokens_array = statements.int_array(tokens[shard] for shard in shards)
     with statements.cursor(db) as cursor:
-        cursor.execute(
-            sql,
-            [shard_array, *params, shard_array, *_FINISHED, _PENDING, now_ms, now_ms,
-             shard_array, _array(tokens[shard] for shard in shards)],
-        )  # fmt: skip
+        cursor.execute(sql, [shard_array, *params, shard_array, tokens_array])
         rows = cursor.fetchall()
     if rows:
         return {}, list(map(DueTimer._make, rows))
     return fence_shards(db, tokens), []
 
 
+def _due(
+    vendor: str, shards: Sequence[int], ids: Sequence[int], now_ms: int
+) -> tuple[str, list[Any]]:
+    """``SELECT`` of the rows of ``ids`` in ``shards`` that may fire now, and its params."""
+    where, params = statements.in_clause(vendor, ids)
+    in_shards, shard_params = statements.in_clause(vendor, shards, "shard", "integer")
+    # "pending and due, or firing with an expired claim", spelled so that only the
+    # primary key can serve the query (see _NOT_FINISHED): state in {pending, firing},
+    # and then due or a claim that expired (a NULL claim compares unknown: not due). The
+    # fire_at_ms test keeps "never early" even if a row's time moved after the wheel
+    # loaded its id; the rescan puts such an id back at its new time.
+    sql = (
+        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND {in_shards} "
+        f"AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
+        "OR claim_expires_ms <= %s)"
+    )
+    return sql, [*params, *shard_params, *_FINISHED, _PENDING, now_ms, now_ms]
+
+
 def _json(value: Any) -> Any:
     # JSON columns arrive as text on every backend (Django installs a text loader for
     # jsonb); anything else was decoded already.
     return json.loads(value) if isinstance(value, str | bytes) else value
-
-
-def _ids_clause(
-    vendor: str, ids: Sequence[int], column: str = "id", sql_type: str = "bigint"
-) -> tuple[str, list[Any]]:
-    """``column`` in ``ids`` as SQL: one array parameter on PostgreSQL, a list elsewhere.
-
-    The array keeps the statement's text the same whatever the number of ids, so the
-    server can prepare it once (see :mod:`durable.storage.statements`).
-    """
-    if vendor == "postgresql":
-        # An array literal built by join: psycopg's list dumper quotes element by element
-        # in Python, which showed up at ~10% of the fire path.
-        return f"{column} = ANY(%s::{sql_type}[])", [_array(ids)]
-    return f"{column} IN ({', '.join(['%s'] * len(ids))})", list(ids)
-
-
-def _array(values: Iterable[int]) -> str:
-    """A PostgreSQL array literal of integers."""
-    return "{" + ",".join(map(str, map(int, values))) + "}"
 
 
 def mark_fired(
@@ -238,12 +220,13 @@ def mark_fired(
     if not ids:
         return
     conn = connections[db]
-    where, params = _ids_clause(conn.vendor, ids)
+    where, params = statements.in_clause(conn.vendor, ids)
     when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
     shards = sorted(tokens)
     if conn.vendor == "postgresql":  # one statement text whatever the shards
         token_of_shard = "(%s::bigint[])[array_position(%s::integer[], shard)]"
-        token_params = [_array(tokens[shard] for shard in shards), _array(shards)]
+        array = statements.int_array
+        token_params = [array(tokens[shard] for shard in shards), array(shards)]
     else:
         token_of_shard = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
         token_params = [v for shard in shards for v in (shard, tokens[shard])]
@@ -313,7 +296,7 @@ LAZY_COMMIT = "set_config('synchronous_commit', 'off', true)"
 
 def claim_sql(vendor: str, ids: Sequence[int], claim_expires_ms: int) -> tuple[str, list[Any]]:
     """The UPDATE that claims ``ids`` (see :func:`claim`), for a statement of one's own."""
-    where, params = _ids_clause(vendor, ids)
+    where, params = statements.in_clause(vendor, ids)
     return (
         "UPDATE durable_timer SET state = %s, claim_expires_ms = %s, attempts = attempts + 1 "
         f"WHERE {where}",

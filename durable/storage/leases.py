@@ -157,10 +157,7 @@ def fence_shards(db: str, tokens: Mapping[int, int]) -> dict[int, int | None]:
         raise RuntimeError("fence() must run inside transaction.atomic()")
     shards = sorted(tokens)
     lock = " FOR SHARE" if conn.features.has_select_for_update else ""
-    if conn.vendor == "postgresql":  # one statement text whatever the shards
-        where, params = "shard = ANY(%s::integer[])", ["{" + ",".join(map(str, shards)) + "}"]
-    else:
-        where, params = f"shard IN ({', '.join(['%s'] * len(shards))})", shards
+    where, params = statements.in_clause(conn.vendor, shards, "shard", "integer")
     with statements.cursor(db) as cursor:
         cursor.execute(
             f"SELECT shard, token FROM durable_shardlease WHERE {where} ORDER BY shard{lock}",

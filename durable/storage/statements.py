@@ -19,6 +19,7 @@ statements still show in ``connection.queries`` and in ``CaptureQueriesContext``
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -46,3 +47,25 @@ def cursor(db: str) -> Any:
     conn.ensure_connection()
     with conn.wrap_database_errors:
         return conn._prepare_cursor(ServerBindingCursor(conn.connection))
+
+
+def in_clause(
+    vendor: str, ids: Sequence[int], column: str = "id", sql_type: str = "bigint"
+) -> tuple[str, list[Any]]:
+    """``column`` in ``ids`` as SQL: one array parameter on PostgreSQL, a list elsewhere.
+
+    The array keeps the statement's text the same whatever the number of ids, so the
+    server can prepare it once.
+    """
+    if vendor == "postgresql":
+        return f"{column} = ANY(%s::{sql_type}[])", [int_array(ids)]
+    return f"{column} IN ({', '.join(['%s'] * len(ids))})", list(ids)
+
+
+def int_array(values: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers.
+
+    Built by join: psycopg's list dumper quotes element by element in Python, which
+    showed up at ~10% of the fire path.
+    """
+    return "{" + ",".join(map(str, map(int, values))) + "}"
