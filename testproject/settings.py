@@ -4,7 +4,8 @@ Configured only through environment variables (django-environ), so the same code
 the SQLite demo, the test suites and the docker-compose cluster:
 
 - ``DATABASE_URL``: defaults to a SQLite file beside ``manage.py``.
-- ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``: worker tuning.
+- ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
+  ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
 - ``DJANGO_SECRET_KEY``, ``DJANGO_DEBUG``, ``DJANGO_ALLOWED_HOSTS``.
 """
 
@@ -87,6 +88,8 @@ DURABLE = {
     "SHARDS": env.int("DURABLE_SHARDS", default=64),
     "LEASE_TTL_S": env.float("DURABLE_LEASE_TTL_S", default=10.0),
     "RESCAN_INTERVAL_S": env.float("DURABLE_RESCAN_INTERVAL_S", default=2.0),
+    # Must stay below LEASE_TTL_S (durable.E005): tests run leases of 2 s.
+    "BATCH_TIME_BUDGET_S": env.float("DURABLE_BATCH_TIME_BUDGET_S", default=2.0),
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
 }
