@@ -61,14 +61,16 @@ def check_orphaned_shards(
     if not databases or conf.DATABASE not in databases:
         return []
     try:
+        if not status.tables_exist(conf.DATABASE):
+            return []  # not migrated yet (``migrate`` runs database checks too): no timers
         orphans = status.orphaned_shards(conf.DATABASE, conf.SHARDS)
         leases = status.leases_beyond(conf.DATABASE, conf.SHARDS, current_clock().now_ms())
-    except DatabaseError as exc:  # not migrated yet, or unreachable: the worker retries
+    except DatabaseError as exc:  # unreachable: the worker waits for it as it always does
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return [
             checks.Warning(
                 f"Could not look for orphaned shards in database {conf.DATABASE!r}: {first}",
-                hint="Run `manage.py migrate`, or check the database is reachable.",
+                hint="Check that the database is reachable and migrated.",
                 id="durable.W002",
             )
         ]

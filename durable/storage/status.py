@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import connections
 from django.db.models import Count
 
 from durable.models import ShardLease, Timer, TimerState, WorkerNode, WorkflowRun
@@ -120,6 +121,14 @@ class OrphanedShard:
     pending: int = 0
     firing: int = 0
     runs: int = 0
+
+
+def tables_exist(db: str) -> bool:
+    """Whether the tables :func:`orphaned_shards` reads exist (no: not migrated yet)."""
+    conn = connections[db]
+    with conn.cursor() as cursor:
+        names = set(conn.introspection.table_names(cursor))
+    return {m._meta.db_table for m in (Timer, WorkflowRun, ShardLease)} <= names
 
 
 def orphaned_shards(db: str, shard_count: int) -> list[OrphanedShard]:
