@@ -21,6 +21,8 @@ from django.core import checks
 if TYPE_CHECKING:
     from django.core.management.base import BaseCommand
 
+    from durable.storage.status import OrphanedShard, ShardStatus
+
 TAG = "durable"
 """Tag of the checks a worker always runs before it starts (``--skip-checks`` or not)."""
 
@@ -86,7 +88,7 @@ def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
-def _orphans_error(orphans: list[Any], shard_count: int) -> checks.CheckMessage:
+def _orphans_error(orphans: list[OrphanedShard], shard_count: int) -> checks.CheckMessage:
     shown = []
     for o in orphans[:10]:
         parts = [
@@ -111,7 +113,7 @@ def _orphans_error(orphans: list[Any], shard_count: int) -> checks.CheckMessage:
     )
 
 
-def _leases_warning(leases: list[Any], shard_count: int) -> checks.CheckMessage:
+def _leases_warning(leases: list[ShardStatus], shard_count: int) -> checks.CheckMessage:
     numbers = ", ".join(str(s.shard) for s in leases[:20])
     if len(leases) > 20:
         numbers += f" and {len(leases) - 20} more"
@@ -121,9 +123,9 @@ def _leases_warning(leases: list[Any], shard_count: int) -> checks.CheckMessage:
     )
     return checks.Warning(
         f"Shard lease rows exist beyond DURABLE['SHARDS'] = {shard_count}: shards {numbers}{live}",
-        hint="They are left from a larger SHARDS and hold no timers. Once every worker runs "
-        f"with SHARDS = {shard_count}, delete them: "
-        f"ShardLease.objects.filter(shard__gte={shard_count}).delete()",
+        hint="They are left from a larger SHARDS (durable.E006 says whether those shards "
+        f"still hold work). Once every worker runs with SHARDS = {shard_count}, delete them: "
+        f"durable.models.ShardLease.objects.filter(shard__gte={shard_count}).delete()",
         id="durable.W001",
     )
 
