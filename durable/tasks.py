@@ -74,7 +74,8 @@ InvalidTaskError: type[Exception] = getattr(
 
 #: ``Timer.kind`` of task timers (see the lead's TimerKind note in the how-to).
 TASK_KIND = "task"
-#: Longest traceback kept per attempt (paths stripped, as for ``last_error``).
+#: Longest traceback kept per attempt (paths stripped, as for ``last_error``); a longer
+#: one keeps its end, which holds the innermost frames and the exception's message.
 MAX_TRACEBACK_CHARS = 4000
 
 # TimerState's values, spelled out: durable.models is not imported at module level.
@@ -359,10 +360,12 @@ def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: st
 
 def _error(exc: BaseException) -> dict[str, str]:
     text = "".join(traceback.format_exception(exc))
-    return {
-        "exception_class_path": _path(type(exc)),
-        "traceback": sanitize_error(text, limit=MAX_TRACEBACK_CHARS),
-    }
+    text = sanitize_error(text, limit=len(text) + 1)  # paths only: stripping never grows it
+    if len(text) > MAX_TRACEBACK_CHARS:
+        # Keep the end, as Django's backends do: the innermost frames and the
+        # "ValueError: message" line are what a reader needs.
+        text = "…" + text[-(MAX_TRACEBACK_CHARS - 1) :]
+    return {"exception_class_path": _path(type(exc)), "traceback": text}
 
 
 def _worker_id() -> str:

@@ -46,6 +46,23 @@ def explode(message: str) -> None:
 
 
 @task
+def deep(levels: int) -> None:
+    """Raises from ``levels`` calls down: a traceback longer than durable keeps."""
+    _record(f"deep:{levels}")
+    _down(levels)
+
+
+def _down(levels: int) -> None:
+    if levels <= 0:
+        raise ValueError("at the bottom")
+    _down_again(levels - 1)  # alternating frames: Python folds only identical ones
+
+
+def _down_again(levels: int) -> None:
+    _down(levels - 1)
+
+
+@task
 def flaky(key: str) -> str:
     """Fails on its first attempt, succeeds on the next."""
     fire = current_fire()

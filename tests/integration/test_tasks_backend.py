@@ -21,6 +21,7 @@ import durable
 from durable.exceptions import PayloadError
 from durable.models import Timer
 from durable.tasks import (
+    MAX_TRACEBACK_CHARS,
     InvalidTaskError,
     TaskAborted,
     TaskCanceled,
@@ -121,6 +122,14 @@ def test_a_task_that_raises_is_failed_with_its_error(tasks, engine, clock):
     with pytest.raises(ValueError, match="Task failed"):
         _ = got.return_value
     assert Timer.objects.get(pk=int(result.id)).state == "failed"
+
+
+def test_a_long_traceback_keeps_its_end(tasks, engine, clock):
+    result = tasks.deep.enqueue(200)
+    run(engine, clock)
+    [error] = tasks.deep.get_result(result.id).errors
+    assert len(error.traceback) == MAX_TRACEBACK_CHARS and error.traceback.startswith("…")
+    assert error.traceback.endswith("ValueError: at the bottom\n")  # as Django's backends
 
 
 def test_more_attempts_retry_with_backoff(tasks, engine, clock, settings):
