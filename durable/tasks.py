@@ -190,15 +190,6 @@ class DurableBackend(BaseTaskBackend):
         ]
 
 
-def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any], dict[str, Any]]:
-    try:
-        return v.check_payload(list(args), dict(kwargs), None, max_bytes)
-    except PayloadError as exc:
-        if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
-            raise
-        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
-
-
 def _check_importable(task: Task) -> None:
     """The worker finds the task by its module path: make sure that path leads back to it."""
     try:
@@ -277,6 +268,15 @@ def _when(ms: int | None) -> datetime | None:
 
 def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any], dict[str, Any]]:
+    try:
+        return v.check_payload(list(args), dict(kwargs), None, max_bytes)
+    except PayloadError as exc:
+        if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
+            raise
+        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
 
 
 # -- running a task (the worker side) -------------------------------------------------
