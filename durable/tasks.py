@@ -33,6 +33,8 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
+from django.core import checks
 from django.db import transaction
 from django.utils.module_loading import import_string
 
@@ -130,14 +132,14 @@ class DurableBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Write the task's timer in the caller's transaction and return its result handle."""
+        from durable.storage import timers as store
+
         self.validate_task(task)
         _check_importable(task)
         conf = get_settings()
         now_ms = current_clock().now_ms()
         fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
         args, kwargs = _check_arguments(args, kwargs, conf.MAX_PAYLOAD_BYTES)
-        from durable.storage import timers as store
-
         timer = store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -174,9 +176,6 @@ class DurableBackend(BaseTaskBackend):
 
         DURABLE's own system checks cover its database and settings once it is installed.
         """
-        from django.apps import apps
-        from django.core import checks
-
         if apps.is_installed("durable"):
             return []
         return [
