@@ -372,3 +372,19 @@ def test_check_reports_durable_missing_from_installed_apps(tmp_path):
     [line] = done.stdout.splitlines()
     assert line.startswith(f"durable.E030 {checks.ERROR} ")
     assert "'durable' is not in INSTALLED_APPS" in line
+
+
+def test_a_raising_task_started_receiver_fails_the_attempt(tasks, engine, clock):
+    def refuse(sender, task_result, **kwargs):
+        raise RuntimeError("not now")
+
+    _signals.task_started.connect(refuse, weak=False)
+    try:
+        result = tasks.add.enqueue(1, 2)
+        run(engine, clock)
+    finally:
+        _signals.task_started.disconnect(refuse)
+    got = tasks.add.get_result(result.id)
+    assert got.status == TaskResultStatus.FAILED and got.attempts == 1
+    assert [e.exception_class for e in got.errors] == [RuntimeError]
+    assert keys() == []  # the task itself never ran
