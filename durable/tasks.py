@@ -15,8 +15,13 @@ timer id, as a string, and ``durable.cancel(int(result.id))`` cancels a task not
 
 Backend ``OPTIONS``: ``MAX_ATTEMPTS`` (default 1: a task that raises is ``FAILED``, as
 Django's semantics say; more attempts retry with ``DURABLE``'s backoff, and the result
-stays ``READY`` in between). Priorities are accepted and kept on the result; the worker
-runs tasks by due time, so priority does not reorder them (see the how-to).
+stays ``READY`` in between). The worker runs due tasks by due time, not by priority, so
+``supports_priority`` is false and Django rejects a task declared with a non-default
+priority (see the how-to).
+
+This module imports durable's models only inside functions: Django loads the backend
+when a ``@task`` is declared, and ``check()`` must be able to say that ``durable`` is
+missing from ``INSTALLED_APPS`` rather than fail on the import.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import socket
 import traceback
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
+from django.core import checks
 from django.db import transaction
 from django.utils.module_loading import import_string
 
@@ -38,9 +45,11 @@ from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import register_kind
 from durable.dispatch.registry import HandlerSpec
-from durable.models import Timer, TimerState
+from durable.exceptions import PayloadError
 from durable.scheduling import validation as v
-from durable.storage import timers as store
+
+if TYPE_CHECKING:
+    from durable.models import Timer
 
 try:  # Django 6
     from django.tasks import exceptions as _exceptions
@@ -67,20 +76,42 @@ InvalidTaskError: type[Exception] = getattr(
 
 #: ``Timer.kind`` of task timers (see the lead's TimerKind note in the how-to).
 TASK_KIND = "task"
-#: Longest traceback kept per attempt (paths stripped, as for ``last_error``).
+#: Longest traceback kept per attempt (paths stripped, as for ``last_error``); a longer
+#: one keeps its end, which holds the innermost frames and the exception's message.
 MAX_TRACEBACK_CHARS = 4000
 
+# TimerState's values, spelled out: durable.models is not imported at module level.
+_PENDING, _FIRING, _FIRED, _FAILED, _CANCELED = "pending", "firing", "fired", "failed", "canceled"
 _STATUS = {
-    TimerState.PENDING: TaskResultStatus.READY,
-    TimerState.FIRING: TaskResultStatus.RUNNING,
-    TimerState.FIRED: TaskResultStatus.SUCCESSFUL,
-    TimerState.FAILED: TaskResultStatus.FAILED,
-    TimerState.CANCELED: TaskResultStatus.FAILED,
+    _PENDING: TaskResultStatus.READY,
+    _FIRING: TaskResultStatus.RUNNING,
+    _FIRED: TaskResultStatus.SUCCESSFUL,
+    _FAILED: TaskResultStatus.FAILED,
+    _CANCELED: TaskResultStatus.FAILED,
 }
 
 
 class TaskCanceled(Exception):
     """The task's timer was cancelled (``durable.cancel``) before it ran."""
+
+
+class TaskPayloadError(PayloadError, TypeError):
+    """A task's argument or return value is not JSON.
+
+    Raised by ``enqueue()`` and recorded as the error of a run whose return value is not
+    JSON. A ``TypeError``, as Django's Tasks documentation says, and a
+    :class:`durable.exceptions.PayloadError` (so a ``ValueError`` too), whose ``path``
+    names the offending part (``args[0]``, ``return value['when']``).
+    """
+
+
+class TaskAborted(Exception):
+    """A task raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``...).
+
+    The task's result records the original error; the worker is handed this ordinary
+    exception (chained from it) and counts a failed attempt, instead of letting
+    ``SystemExit`` or ``KeyboardInterrupt`` out of a task into the worker.
+    """
 
 
 class DurableBackend(BaseTaskBackend):
@@ -89,7 +120,8 @@ class DurableBackend(BaseTaskBackend):
     supports_defer = True
     supports_get_result = True
     supports_async_task = True
-    supports_priority = True
+    # Due tasks run in due-time order, not by priority: false, so Django rejects priorities.
+    supports_priority = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -100,12 +132,14 @@ class DurableBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Write the task's timer in the caller's transaction and return its result handle."""
+        from durable.storage import timers as store
+
         self.validate_task(task)
         _check_importable(task)
         conf = get_settings()
         now_ms = current_clock().now_ms()
         fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
-        args, kwargs = v.check_payload(list(args), dict(kwargs), None, conf.MAX_PAYLOAD_BYTES)
+        args, kwargs = _check_arguments(args, kwargs, conf.MAX_PAYLOAD_BYTES)
         timer = store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -138,8 +172,21 @@ class DurableBackend(BaseTaskBackend):
         return _to_result(timer, _task_of(timer))
 
     def check(self, **kwargs: Any) -> Any:
-        """No extra checks: DURABLE's own system checks cover the database and settings."""
-        return []
+        """Report ``durable.E030`` if ``durable`` is not in ``INSTALLED_APPS``.
+
+        DURABLE's own system checks cover its database and settings once it is installed.
+        """
+        if apps.is_installed("durable"):
+            return []
+        return [
+            checks.Error(
+                f"TASKS[{self.alias!r}] uses durable.tasks.DurableBackend, but 'durable' is "
+                "not in INSTALLED_APPS",
+                hint="Add 'durable' to INSTALLED_APPS and run migrate: tasks are rows in "
+                "durable's timer table.",
+                id="durable.E030",
+            )
+        ]
 
 
 def _check_importable(task: Task) -> None:
@@ -156,6 +203,8 @@ def _check_importable(task: Task) -> None:
 
 
 def _load(result_id: Any) -> Timer:
+    from durable.storage import timers as store
+
     try:
         timer_id = int(result_id)
     except (TypeError, ValueError):
@@ -187,11 +236,11 @@ def _task_of(timer: Timer) -> Task:
 def _to_result(timer: Timer, task: Task) -> TaskResult:
     record = timer.result if isinstance(timer.result, dict) else {}
     errors = [TaskError(**error) for error in record.get("errors", [])]
-    status = _STATUS[TimerState(timer.state)]
-    if timer.state == TimerState.CANCELED:
+    status = _STATUS[timer.state]
+    if timer.state == _CANCELED:
         errors.append(TaskError(exception_class_path=_path(TaskCanceled), traceback="canceled"))
     finished = None
-    if timer.state in (TimerState.FIRED, TimerState.FAILED):
+    if timer.state in (_FIRED, _FAILED):
         finished = timer.fired_at or _when(record.get("finished_ms"))
     result = TaskResult(
         task=task,
@@ -199,7 +248,7 @@ def _to_result(timer: Timer, task: Task) -> TaskResult:
         status=status,
         enqueued_at=timer.created_at,
         started_at=_when(record.get("started_ms")),
-        finished_at=finished or (timer.updated_at if timer.state == TimerState.CANCELED else None),
+        finished_at=finished or (timer.updated_at if timer.state == _CANCELED else None),
         last_attempted_at=_when(record.get("attempted_ms")),
         args=timer.args,
         kwargs=timer.kwargs,
@@ -220,6 +269,15 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any], dict[str, Any]]:
+    try:
+        return v.check_payload(list(args), dict(kwargs), None, max_bytes)
+    except PayloadError as exc:
+        if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
+            raise
+        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
+
+
 # -- running a task (the worker side) -------------------------------------------------
 
 
@@ -231,9 +289,14 @@ def resolve(module_path: str) -> HandlerSpec:
 def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     """Run one attempt of the task being fired and record its outcome on its timer.
 
-    Sends ``task_started`` and ``task_finished``. An exception is recorded (class path
-    and traceback) and re-raised, so the worker retries or fails the timer.
+    The result is written before the task is called (``RUNNING``, with its start, attempt
+    time and worker ids) and again when it returns or raises. Sends ``task_started`` and
+    ``task_finished``. An ``Exception`` is recorded (class path and traceback) and
+    re-raised, so the worker retries or fails the timer; any other ``BaseException`` is
+    recorded the same way and re-raised as :class:`TaskAborted`.
     """
+    from durable.storage import timers as store
+
     fire = current_fire()
     if fire is None:
         raise RuntimeError("run_task() runs only when the worker fires a task timer")
@@ -246,30 +309,46 @@ def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     record.setdefault("started_ms", fire.fired_ms)
     record["attempted_ms"] = fire.fired_ms
     record["worker_ids"] = [*record.get("worker_ids", []), _worker_id()]
-    timer.state, timer.result = TimerState.FIRING, record
-    _signals.task_started.send(type(task.get_backend()), task_result=_to_result(timer, task))
+    # Stored before the call, so get_result() shows the start and attempts while it runs.
+    store.store_result(db, timer.pk, record)
+    timer.state, timer.result = _FIRING, record
     try:
-        if task.takes_context:
-            context = TaskContext(task_result=_to_result(timer, task))
-            value = task.call(context, *args, **kwargs)
-        else:
-            value = task.call(*args, **kwargs)
-        v.check_json(value, "return value")
-    except Exception as exc:
+        _signals.task_started.send(type(task.get_backend()), task_result=_to_result(timer, task))
+        value = _call(task, timer, args, kwargs)
+    # BaseException too: a task's SystemExit or KeyboardInterrupt is its failure (as in
+    # Django's own backends), not the worker's; signals reach only the main thread.
+    except BaseException as exc:
         record["errors"] = [*record.get("errors", []), _error(exc)]
         final = fire.attempt >= timer.max_attempts
-        _finish(db, timer, task, record, TimerState.FAILED if final else TimerState.PENDING)
-        raise
+        _finish(db, timer, task, record, _FAILED if final else _PENDING)
+        if isinstance(exc, Exception):
+            raise
+        raise TaskAborted(f"task {module_path} raised {type(exc).__name__}: {exc}") from exc
     record["return_value"] = value
-    _finish(db, timer, task, record, TimerState.FIRED)
+    _finish(db, timer, task, record, _FIRED)
+    return value
+
+
+def _call(task: Task, timer: Timer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if task.takes_context:
+        context = TaskContext(task_result=_to_result(timer, task))
+        value = task.call(context, *args, **kwargs)
+    else:
+        value = task.call(*args, **kwargs)
+    try:
+        v.check_json(value, "return value")
+    except PayloadError as exc:
+        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
     return value
 
 
 def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: str) -> None:
+    from durable.storage import timers as store
+
     # Written before the worker completes the timer (in autocommit: external fires run
     # outside any transaction). A crash in between leaves the row firing with this
     # record, and the re-run appends to it.
-    if state != TimerState.PENDING:
+    if state != _PENDING:
         record["finished_ms"] = current_clock().now_ms()
     store.store_result(db, timer.pk, record)
     # The signal shows what the result reads once the worker commits the completion.
@@ -280,10 +359,12 @@ def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: st
 
 def _error(exc: BaseException) -> dict[str, str]:
     text = "".join(traceback.format_exception(exc))
-    return {
-        "exception_class_path": _path(type(exc)),
-        "traceback": sanitize_error(text, limit=MAX_TRACEBACK_CHARS),
-    }
+    text = sanitize_error(text, limit=len(text) + 1)  # paths only: stripping never grows it
+    if len(text) > MAX_TRACEBACK_CHARS:
+        # Keep the end, as Django's backends do: the innermost frames and the
+        # "ValueError: message" line are what a reader needs.
+        text = "…" + text[-(MAX_TRACEBACK_CHARS - 1) :]
+    return {"exception_class_path": _path(type(exc)), "traceback": text}
 
 
 def _worker_id() -> str:
