@@ -101,3 +101,34 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
                 )
             )
     return errors
+
+
+# durable.E030: DURABLE["IMPORTS"] is not a list of importable module names.
+@checks.register()
+def check_imports(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Validate ``DURABLE["IMPORTS"]``: a list of module names that exist."""
+    from importlib.util import find_spec
+
+    imports = (getattr(settings, "DURABLE", None) or {}).get("IMPORTS", [])
+    if isinstance(imports, str) or not isinstance(imports, list | tuple):
+        return [
+            checks.Error(
+                f"DURABLE['IMPORTS'] must be a list of module names, got {imports!r}",
+                id="durable.E030",
+            )
+        ]
+    errors: list[checks.CheckMessage] = []
+    for index, name in enumerate(imports):
+        where = f"DURABLE['IMPORTS'][{index}]"
+        if not isinstance(name, str) or not name:
+            errors.append(
+                checks.Error(f"{where} must be a module name, got {name!r}", id="durable.E030")
+            )
+            continue
+        try:
+            found = find_spec(name) is not None  # imports its parent packages only
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            errors.append(checks.Error(f"{where}: no module named {name!r}", id="durable.E030"))
+    return errors

@@ -52,6 +52,10 @@ class DurableSettings:
     DISPATCH: str = "inline"
     BROKER_URL: str = "memory://"
     CRONS: dict[str, Any] = field(default_factory=dict)
+    IMPORTS: list[str] = field(default_factory=list)
+    """Modules the worker imports at start-up, besides every installed app's ``handlers``,
+    ``workflows``, ``crons`` and ``tasks``: where handlers, workflows, schedules and tasks
+    kept elsewhere are registered (``["myapp.services"]``)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DurableSettings:
