@@ -13,6 +13,11 @@ transaction (at least once, like ``atomic=False`` handlers) and records its outc
 the timer row, so ``get_result(result_id)`` works from any process. The result id is the
 timer id, as a string, and ``durable.cancel(int(result.id))`` cancels a task not run yet.
 
+The worker looks a timer's module path up in :data:`registry`, which ``@task`` fills
+through :meth:`DurableBackend.validate_task` when the worker imports the task's module at
+start-up (an app's ``tasks.py``, or ``DURABLE["IMPORTS"]``); it never imports a path
+read from a row.
+
 Backend ``OPTIONS``: ``MAX_ATTEMPTS`` (default 1: a task that raises is ``FAILED``, as
 Django's semantics say; more attempts retry with ``DURABLE``'s backoff, and the result
 stays ``READY`` in between). Priorities are accepted and kept on the result; the worker
