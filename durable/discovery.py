@@ -6,7 +6,7 @@ The worker runs only what is registered: ``@durable.handler`` functions, workflo
 a ``DurableBackend``. Registration happens when their module is imported, and
 :func:`discover` imports, once at start-up:
 
-- for every installed app, its modules named in :data:`MODULES` that exist
+- for every installed app (but Django's own), its modules named in :data:`MODULES` that exist
   (``handlers``, ``workflows``, ``crons``, ``tasks``), as Django's admin imports each
   app's ``admin`` and Celery each app's ``tasks``; an app's ``models`` module, and so
   workflows on model methods, is imported by Django anyway;
@@ -54,8 +54,10 @@ def discover(conf: DurableSettings | None = None) -> list[str]:
     conf = conf or get_settings()
     imported = []
     for app in apps.get_app_configs():
-        if app.name == "durable":
-            continue  # its own modules are imported by DurableConfig.ready()
+        if app.name == "durable" or app.name.startswith("django."):
+            # durable's own modules are imported by DurableConfig.ready(); Django's own
+            # apps hold no durable code (but do have unrelated ``handlers`` modules).
+            continue
         for module in MODULES:
             if module_has_submodule(app.module, module):
                 importlib.import_module(f"{app.name}.{module}")
