@@ -134,9 +134,8 @@ def schedule_function(path: str) -> Callable[[Occurrence], Any]:
     if spec is None:
         raise UnknownHandler(
             f"unknown schedule function {path!r}: it is not registered (declare it with "
-            "@durable.cron "
-            "or @durable.every, name it in DURABLE['CRONS'], or decorate it with "
-            f"@durable.handler); {WHERE_TO_REGISTER}",
+            "@durable.cron or @durable.every, name it in DURABLE['CRONS'], or decorate it "
+            f"with @durable.handler); {WHERE_TO_REGISTER}",
             handler=path,
         )
     return spec.fn  # type: ignore[no-any-return]

@@ -139,7 +139,7 @@ class Engine:
         """Import what registers handlers, register this node, create missing lease rows."""
         # Before anything fires: at fire time names are only looked up, never imported.
         modules = discover(self.conf)
-        event(log, logging.DEBUG, "worker.discovered", node=self.node, modules=",".join(modules))
+        event(log, logging.INFO, "worker.discovered", node=self.node, modules=",".join(modules))
         self._measure_offset()
         if self.embedded is not None:
             self.embedded.start()
