@@ -191,3 +191,27 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
                 )
             )
     return errors
+
+
+# durable.E007: DURABLE["IMPORTS"] names a module that cannot be found. Its type (a list
+# of non-empty strings) is the settings rules' (durable.conf.RULES, E003).
+@checks.register()
+def check_imports(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Report the modules of ``DURABLE["IMPORTS"]`` that do not exist."""
+    from importlib.util import find_spec
+
+    imports = (getattr(settings, "DURABLE", None) or {}).get("IMPORTS", [])
+    if not isinstance(imports, list | tuple):
+        return []  # reported by check_settings
+    errors: list[checks.CheckMessage] = []
+    for index, name in enumerate(imports):
+        if not isinstance(name, str) or not name:
+            continue  # reported by check_settings
+        try:
+            found = find_spec(name) is not None  # imports its parent packages only
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            where = f"DURABLE['IMPORTS'][{index}]"
+            errors.append(checks.Error(f"{where}: no module named {name!r}", id="durable.E007"))
+    return errors

@@ -62,6 +62,10 @@ class DurableSettings:
     DISPATCH: str = "inline"
     BROKER_URL: str = "memory://"
     CRONS: dict[str, Any] = field(default_factory=dict)
+    IMPORTS: list[str] = field(default_factory=list)
+    """Modules the worker imports at start-up, besides every installed app's ``handlers``,
+    ``workflows``, ``crons`` and ``tasks``: where handlers, workflows, schedules and tasks
+    kept elsewhere are registered (``["myapp.services"]``)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DurableSettings:
@@ -218,6 +222,13 @@ RULES: dict[str, Rule] = {
     # Each entry is checked by durable.checks.check_crons (E010-E019), which also
     # reports a CRONS that is not a dict (E015).
     "CRONS": Rule(Predicate(lambda v: isinstance(v, dict), "a dict"), id="durable.E015"),
+    # Whether each module exists is checked by durable.checks.check_imports (E007).
+    "IMPORTS": Rule(
+        Predicate(
+            lambda v: isinstance(v, list | tuple) and all(isinstance(m, str) and m for m in v),
+            "a list of module paths (non-empty strings)",
+        )
+    ),
 }
 """Key → rule. Every field of :class:`DurableSettings` must have one (a test says so)."""
 

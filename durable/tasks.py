@@ -13,6 +13,11 @@ transaction (at least once, like ``atomic=False`` handlers) and records its outc
 the timer row, so ``get_result(result_id)`` works from any process. The result id is the
 timer id, as a string, and ``durable.cancel(int(result.id))`` cancels a task not run yet.
 
+The worker looks a timer's module path up in :data:`registry`, which ``@task`` fills
+through :meth:`DurableBackend.validate_task` when the worker imports the task's module at
+start-up (an app's ``tasks.py``, or ``DURABLE["IMPORTS"]``); it never imports a path
+read from a row.
+
 Backend ``OPTIONS``: ``MAX_ATTEMPTS`` (default 1: a task that raises is ``FAILED``, as
 Django's semantics say; more attempts retry with ``DURABLE``'s backoff, and the result
 stays ``READY`` in between). The worker runs due tasks by due time, not by priority, so
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import traceback
 from datetime import datetime
 from functools import partial
@@ -44,8 +50,8 @@ from durable.core.errors import sanitize_error
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import register_kind
-from durable.dispatch.registry import HandlerSpec
-from durable.exceptions import PayloadError
+from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerSpec
+from durable.exceptions import PayloadError, UnknownHandler
 from durable.scheduling import validation as v
 
 if TYPE_CHECKING:
@@ -166,10 +172,23 @@ class DurableBackend(BaseTaskBackend):
         _signals.task_enqueued.send(type(self), task_result=result)
         return result
 
+    def validate_task(self, task: Task) -> None:
+        """Django's checks, then register ``task``: Django calls this when a Task is made.
+
+        ``@task`` runs it at import, so importing a task's module (the worker's start-up
+        does, see :mod:`durable.discovery`) registers the task for the worker to run.
+        """
+        super().validate_task(task)
+        registry.register(task)
+
     def get_result(self, result_id: str) -> TaskResult:
         """Return the stored result of ``result_id``; raise ``TaskResultDoesNotExist``."""
         timer = _load(result_id)
-        return _to_result(timer, _task_of(timer))
+        try:
+            task = _task_of(timer)
+        except UnknownHandler as exc:
+            raise TaskResultDoesNotExist(f"task result {timer.pk}: {exc}") from None
+        return _to_result(timer, task)
 
     def check(self, **kwargs: Any) -> Any:
         """Report ``durable.E030`` if ``durable`` is not in ``INSTALLED_APPS``.
@@ -215,14 +234,57 @@ def _load(result_id: Any) -> Timer:
     return timer
 
 
+class TaskRegistry:
+    """Module path → the ``Task`` defined there, for tasks on a :class:`DurableBackend`.
+
+    Filled by :meth:`DurableBackend.validate_task` as ``@task`` runs. A timer's target
+    (the module path) is row data: it is looked up here, never imported.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, Task] = {}
+        self._lock = threading.Lock()
+
+    def register(self, task: Task) -> None:
+        """Remember ``task`` under its module path (variants made by ``using()`` are not kept)."""
+        with self._lock:
+            found = self._tasks.get(task.module_path)
+            if found is None or found.func is not task.func:
+                self._tasks[task.module_path] = task
+
+    def get(self, module_path: str) -> Task | None:
+        """The Task registered under ``module_path``, or ``None``."""
+        return self._tasks.get(module_path)
+
+    def resolve(self, module_path: str) -> Task:
+        """The Task registered under ``module_path``; raise :class:`UnknownHandler`.
+
+        Outside the worker a task's module may not be imported yet: the conventional
+        modules are imported once (:func:`durable.discovery.discover_once`), then the
+        name is looked up again. Nothing named by the row itself is imported.
+        """
+        task = self._tasks.get(module_path)
+        if task is None:
+            from durable.discovery import discover_once
+
+            discover_once()
+            task = self._tasks.get(module_path)
+        if task is None:
+            raise UnknownHandler(
+                f"unknown task {module_path!r}: it is not registered (no @task of that name on a "
+                f"DurableBackend was imported at start-up); {WHERE_TO_REGISTER}",
+                handler=module_path,
+            )
+        return task
+
+
+#: Every task of a :class:`DurableBackend`, by module path (the worker reads it).
+registry = TaskRegistry()
+
+
 def _task_of(timer: Timer) -> Task:
     """The Task a timer runs, with the options it was enqueued with."""
-    try:
-        task = import_string(timer.target)
-    except ImportError:
-        raise TaskResultDoesNotExist(
-            f"task result {timer.pk}: its task {timer.target!r} is no longer importable"
-        ) from None
+    task = registry.resolve(timer.target)
     context = timer.context or {}
     run_after = context.get("run_after_ms")
     return task.using(  # type: ignore[no-any-return]
@@ -282,7 +344,12 @@ def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any],
 
 
 def resolve(module_path: str) -> HandlerSpec:
-    """The ``task`` kind's resolver: run the Django task at ``module_path``, at least once."""
+    """The ``task`` kind's resolver: run the Django task at ``module_path``, at least once.
+
+    An unregistered path raises :class:`UnknownHandler`: the timer fails, nothing is
+    imported.
+    """
+    registry.resolve(module_path)
     return HandlerSpec(name=module_path, fn=partial(run_task, module_path), atomic=False)
 
 

@@ -6,6 +6,8 @@ the SQLite demo, the test suites and the docker-compose cluster:
 - ``DATABASE_URL``: defaults to a SQLite file beside ``manage.py``.
 - ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
   ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
+- ``DURABLE_IMPORTS``: comma-separated modules the worker imports at start-up (handlers
+  outside the apps' conventional modules).
 - ``DJANGO_SECRET_KEY``, ``DJANGO_DEBUG``, ``DJANGO_ALLOWED_HOSTS``.
 """
 
@@ -92,6 +94,14 @@ DURABLE = {
     "BATCH_TIME_BUDGET_S": env.float("DURABLE_BATCH_TIME_BUDGET_S", default=2.0),
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
+    # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
+    # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers
+    # fire handlers kept under tests/, which is not an app.
+    "IMPORTS": [
+        "testproject.demo.probes",
+        "testproject.demo.workload",
+        *env.list("DURABLE_IMPORTS", default=[]),
+    ],
 }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

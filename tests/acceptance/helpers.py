@@ -127,6 +127,8 @@ class WorkerPool:
             "DURABLE_RESCAN_INTERVAL_S": str(RESCAN_INTERVAL_S),
             "DURABLE_BATCH_TIME_BUDGET_S": str(BATCH_TIME_BUDGET_S),
             "DURABLE_LOG_LEVEL": "INFO",
+            # The handlers and workflows these tests fire live under tests/, not in an app.
+            "DURABLE_IMPORTS": "tests.acceptance.handlers,tests.acceptance.workflows",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

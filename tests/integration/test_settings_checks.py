@@ -25,6 +25,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md
 # (key, bad value, check id): the values of issue 18 first, then one bad value per key
 # of every kind a rule can refuse (wrong type, bool for a number, out of range, empty).
 BAD = [
+    ("IMPORTS", "myapp.tasks", "durable.E003"),
     ("LEASE_TTL_S", -1, "durable.E003"),
     ("LEASE_TTL_S", "10", "durable.E003"),
     ("RESCAN_INTERVAL_S", 0, "durable.E003"),

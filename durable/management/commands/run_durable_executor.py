@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandError
 from durable.checks import run_worker_checks
 from durable.conf import get_settings
 from durable.core.clock import SystemClock
+from durable.discovery import discover
 from durable.dispatch import kinds
 from durable.dispatch.executors import EmbeddedExecutor
 from durable.storage.leases import database_now_ms
@@ -63,6 +64,7 @@ class Command(BaseCommand):
                 "the memory:// broker only reaches consumers in the worker's own process; "
                 'set DURABLE["BROKER_URL"] (or --broker) to RabbitMQ or Redis'
             )
+        discover(conf)  # what registers the handlers: shipped names are only looked up
         clock = SystemClock()
         # Like the worker, stamp completions and retries by the database's clock.
         db_now = database_now_ms(conf.DATABASE)
