@@ -160,6 +160,8 @@ def fire_with_worker(project: Path, logs: Path) -> None:
         if state["fired"].get("workflow-done:hello") != 1:
             raise SmokeFailure(f"workflow completed without its last write: {state}")
         ok("signal sent from another process; the workflow ran its step, sleep and completed")
+        if os.environ.get("DURABLE_SMOKE_LOAD") == "1":
+            check_load(project)
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(timeout=30)
         if code != 0:
@@ -176,6 +178,24 @@ def fire_with_worker(project: Path, logs: Path) -> None:
             raise SmokeFailure(f"'database is locked' {locked} times in the worker's log")
         if locked:
             print(f"WARN  the worker logged 'database is locked' {locked} times (it retried)")
+
+
+def check_load(project: Path) -> None:
+    """Workflow replays and external handlers at once: the worker's own threads write
+    together. Optional (DURABLE_SMOKE_LOAD=1): on startproject's SQLite settings some
+    replays and completions fail with "database is locked" and their timers stay
+    ``firing`` until CLAIM_TIMEOUT_S, so this fails until durable copes with them."""
+    sent = step(project, "load")
+    state = wait_for(
+        project,
+        lambda s: (
+            s["load_runs"].get("waiting") == sent["runs"]
+            and s["fired"].get("load") == sent["external"]
+            and not s["timers"].get("firing")
+        ),
+        f"{sent['runs']} workflow runs and {sent['external']} external timers at once",
+    )
+    ok(f"load: {state['load_runs']} runs, {state['fired']['load']} external timers fired")
 
 
 def check_admin(project: Path) -> None:

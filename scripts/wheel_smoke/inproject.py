@@ -16,6 +16,7 @@ from typing import Any
 
 RUN_ID = "smoke-run"
 BURST = 200
+LOAD_RUNS, LOAD_EXTERNAL = 100, 300
 
 
 def schedule() -> dict[str, Any]:
@@ -51,6 +52,22 @@ def burst() -> dict[str, Any]:
     return {"burst": BURST}
 
 
+def load() -> dict[str, Any]:
+    """LOAD_RUNS workflow runs and LOAD_EXTERNAL external timers, due at once."""
+    from django.db import transaction
+    from smokeapp import handlers, workflows
+
+    import durable
+
+    with transaction.atomic():
+        workflows.greet.start_many(
+            {"args": ["load"], "run_id": f"load-{number}"} for number in range(LOAD_RUNS)
+        )
+        for number in range(LOAD_EXTERNAL):
+            durable.schedule(handlers.record_outside, args=["load"], key=f"smoke:load:{number}")
+    return {"runs": LOAD_RUNS, "external": LOAD_EXTERNAL}
+
+
 def state() -> dict[str, Any]:
     """What has run so far: rows the handlers wrote, timer states, the run's state."""
     from smokeapp.models import Fired
@@ -62,6 +79,11 @@ def state() -> dict[str, Any]:
         "fired": dict(Counter(Fired.objects.values_list("what", flat=True))),
         "timers": dict(Counter(Timer.objects.values_list("state", flat=True))),
         "run": run,
+        "load_runs": dict(
+            Counter(
+                WorkflowRun.objects.filter(pk__startswith="load-").values_list("state", flat=True)
+            )
+        ),
     }
 
 
@@ -128,7 +150,14 @@ def _error_of(response: Any) -> str:
     return response.content[:300].decode(errors="replace")
 
 
-STEPS = {"schedule": schedule, "burst": burst, "state": state, "signal": signal, "admin": admin}
+STEPS = {
+    "schedule": schedule,
+    "burst": burst,
+    "load": load,
+    "state": state,
+    "signal": signal,
+    "admin": admin,
+}
 
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "smokesite.settings")
