@@ -119,7 +119,14 @@ def wait_for(project: Path, done: Any, what: str) -> dict[str, Any]:
         if done(current):
             return current
         if time.monotonic() > deadline:
-            raise SmokeFailure(f"{what}: not done after {DEADLINE_S} s; state {current}")
+            stuck = current["timers"].get("firing")
+            hint = (
+                f" ({stuck} timers stuck 'firing': a replay or completion failed, see the"
+                " worker's log; they wait for CLAIM_TIMEOUT_S)"
+                if stuck
+                else ""
+            )
+            raise SmokeFailure(f"{what}: not done after {DEADLINE_S} s{hint}; state {current}")
         time.sleep(0.5)
 
 
