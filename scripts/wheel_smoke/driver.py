@@ -111,13 +111,18 @@ def make_project(work: Path) -> Path:
     return project
 
 
-def wait_for(project: Path, done: Any, what: str) -> dict[str, Any]:
-    """Poll the project's state until ``done(state)``; SmokeFailure after the deadline."""
+def wait_for(
+    project: Path, worker: subprocess.Popen[bytes], done: Any, what: str
+) -> dict[str, Any]:
+    """Poll the project's state until ``done(state)``; SmokeFailure after the deadline
+    or as soon as the worker has exited."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
         current = step(project, "state")
         if done(current):
             return current
+        if worker.poll() is not None:
+            raise SmokeFailure(f"{what}: the worker exited {worker.returncode}; state {current}")
         if time.monotonic() > deadline:
             stuck = current["timers"].get("firing")
             hint = (
@@ -143,6 +148,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
         ok(f"scheduled 4 timers and workflow run {scheduled['run']} while the worker runs")
         state = wait_for(
             project,
+            worker,
             lambda s: (
                 {"atomic", "external", "workflow-started:durable", "cron"} <= set(s["fired"])
                 and s["timers"].get("failed") == 1
@@ -154,6 +160,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
         burst = step(project, "burst")["burst"]
         state = wait_for(
             project,
+            worker,
             lambda s: s["fired"].get("burst") == burst,
             f"{burst} timers scheduled one transaction each while the worker fires them",
         )
@@ -161,6 +168,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
         step(project, "signal")
         state = wait_for(
             project,
+            worker,
             lambda s: (s["run"] or {}).get("state") == "completed",
             "the workflow completes after its signal",
         )
@@ -168,7 +176,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
             raise SmokeFailure(f"workflow completed without its last write: {state}")
         ok("signal sent from another process; the workflow ran its step, sleep and completed")
         if os.environ.get("DURABLE_SMOKE_LOAD") == "1":
-            check_load(project)
+            check_load(project, worker)
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(timeout=30)
         if code != 0:
@@ -187,7 +195,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
             print(f"WARN  the worker logged 'database is locked' {locked} times (it retried)")
 
 
-def check_load(project: Path) -> None:
+def check_load(project: Path, worker: subprocess.Popen[bytes]) -> None:
     """Workflow replays and external handlers at once: the worker's own threads write
     together. Optional (DURABLE_SMOKE_LOAD=1): on startproject's SQLite settings some
     replays and completions fail with "database is locked" and their timers stay
@@ -195,6 +203,7 @@ def check_load(project: Path) -> None:
     sent = step(project, "load")
     state = wait_for(
         project,
+        worker,
         lambda s: (
             s["load_runs"].get("waiting") == sent["runs"]
             and s["fired"].get("load") == sent["external"]
