@@ -6,11 +6,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DURATION ?= 60
 PYTEST_ARGS ?=
+# The Python of the fresh virtualenv `make wheel-smoke` installs the wheel into.
+SMOKE_PYTHON ?= $(PYTHON)
 DURABLE_TEST_DATABASE_URL ?= postgres://durable:durable@127.0.0.1:5432/durable
 SQLITE_TEST_URL := sqlite:///$(CURDIR)/.test-db.sqlite3
 export DURABLE_TEST_DATABASE_URL
 
-.PHONY: venv demo test test-sqlite test-postgres lint docs pg-setup clean
+.PHONY: venv demo test test-sqlite test-postgres wheel-smoke lint docs pg-setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +43,11 @@ test-postgres: venv
 		echo "== PostgreSQL run skipped: not reachable (run 'make pg-setup' to create the role)"; \
 	fi
 
+# The installed package works: the wheel, a fresh virtualenv without the dev extras, a new
+# startproject outside the checkout (scripts/wheel_smoke.sh says what it checks).
+wheel-smoke: venv
+	PYTHON=$(SMOKE_PYTHON) BUILD_PYTHON=$(BIN)/python bash scripts/wheel_smoke.sh
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -53,4 +60,4 @@ pg-setup:
 	bash scripts/pg_setup.sh
 
 clean:
-	rm -rf $(VENV) site .test-db.sqlite3 db.sqlite3 test_db.sqlite3
+	rm -rf $(VENV) site build dist .test-db.sqlite3 db.sqlite3 test_db.sqlite3
