@@ -38,7 +38,16 @@ class DurableSettings:
     BATCH_TIME_BUDGET_S: float = 2.0
     """A batch stops taking new timers after this long, so one slow handler can't stall it."""
     CLAIM_TIMEOUT_S: float = 300.0
-    """An external (non-atomic) fire not completed in this long is run again."""
+    """An external (non-atomic) fire not completed in this long is run again (on a live
+    owner; a new owner re-runs the old owner's claims at once)."""
+    ATOMIC_TIMEOUT_S: float = 5.0
+    """An atomic handler running longer is interrupted and its attempt fails (it holds
+    its batch and the worker's loop: keep it below ``LEASE_TTL_S``)."""
+    HANDLER_TIMEOUT_S: float = 240.0
+    """An external handler or task running longer is abandoned and its attempt fails
+    (below ``CLAIM_TIMEOUT_S``, so it is never run twice at once)."""
+    SHUTDOWN_GRACE_S: float = 30.0
+    """On SIGTERM, how long the worker waits for running handlers before it exits."""
     MAX_ATTEMPTS: int = 5
     """Default attempts before a timer is dead-lettered (state failed)."""
     BACKOFF_BASE_S: float = 1.0

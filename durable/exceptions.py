@@ -27,6 +27,22 @@ class UnknownHandler(TimerError):
     """No handler is registered under that name."""
 
 
+class AttemptsExhausted(TimerError):
+    """Every attempt of the timer started and none finished (the worker died or hung)."""
+
+
+class HandlerTimeout(TimerError):
+    """The handler ran past its ``timeout`` and was abandoned; the attempt failed."""
+
+
+class HandlerAborted(TimerError):
+    """The handler raised a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, ...).
+
+    The worker counts it as a failed attempt of that timer and lives on; the original
+    exception is chained as ``__cause__``.
+    """
+
+
 # Also a ValueError, so code that already catches bad values handles it. Attributes:
 # ``path`` names the offending part (``args[1]['when']``); ``size`` and ``limit`` are set
 # when the payload is too large.

@@ -37,6 +37,11 @@ class FiringBatch:
     """The batch's time: what judged its timers due."""
     claim_until_ms: int
     """Until when an external timer claimed in this batch stays claimed."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    """Shard → the lease token the batch runs under (a claim records its shard's)."""
+    sent: set[int] = field(default_factory=set)
+    """Timers the firer sends to the executor after commit (set before the scopes exit);
+    a scope claims none but these."""
     claimed: set[int] = field(default_factory=set)
     """Timers a scope claimed itself, as :func:`durable.storage.firing.claim` does: the
     firer does not claim them again."""

@@ -269,8 +269,8 @@ def finish_run(
     if claim is not None:
         fired_cte = (
             ", fired AS (UPDATE durable_timer SET state = 'fired', fired_token = %s, "
-            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '' "
-            "WHERE id = %s AND state = 'firing' AND attempts = %s "
+            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, claim_token = NULL, "
+            "last_error = '' WHERE id = %s AND state = 'firing' AND attempts = %s "
             "AND EXISTS (SELECT 1 FROM held) RETURNING id)"
         )
         fired_params = [claim.token, when, when, claim.timer_id, claim.attempts]

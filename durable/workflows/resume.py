@@ -23,6 +23,7 @@ is never replayed by two threads at once and that no wake-up is lost to a busy r
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -69,11 +70,17 @@ class WorkflowKind:
         one that resumes the run on the executor, outside the batch transaction.
         """
         batch: InlineBatch | None = getattr(self._local, "batch", None)
-        if batch is not None:
-            if run_id in batch.backends:
-                return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
-            batch.sent.add(run_id)
-        return HandlerSpec(name=f"workflow:{run_id}", fn=partial(self.resume, run_id), atomic=False)
+        if batch is not None and run_id in batch.backends:
+            return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
+        # No deadline for a whole replay: its steps may run long by design, and an
+        # abandoned replay would keep its run's guard. The claim timeout still covers a
+        # replay that never returns.
+        return HandlerSpec(
+            name=f"workflow:{run_id}",
+            fn=partial(self.resume, run_id),
+            atomic=False,
+            timeout=math.inf,
+        )
 
     @contextmanager
     def batch_scope(self, db: str, timers: Sequence[Any], firing: FiringBatch) -> Iterator[None]:
