@@ -348,6 +348,19 @@ def set_state(
     )
 
 
+def fail_unfinished(db: str, run_id: str, error: str, now_ms: int) -> str | None:
+    """Fail run ``run_id`` with ``error`` unless it has ended; return its parent id ("" if
+    none), or None when it had ended already."""
+    when = ms_to_dt(now_ms)
+    rows = WorkflowRun.objects.using(db).filter(pk=run_id, state__in=ACTIVE)
+    parent = rows.values_list("parent_id", flat=True).first()
+    updated = rows.update(
+        state=WorkflowState.FAILED, error=error, wait_signal="", wait_seq=None,
+        finished_at=when, updated_at=when,
+    )  # fmt: skip
+    return (parent or "") if updated else None
+
+
 def finish(db: str, run_id: str, state: str, result: Any, error: str, now_ms: int) -> None:
     """Record a run's end: completed with ``result`` or failed with ``error``."""
     WorkflowRun.objects.using(db).filter(pk=run_id).update(

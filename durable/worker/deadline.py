@@ -16,8 +16,10 @@ Off the main thread (tests that run an engine in a thread) there is no deadline.
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,20 +28,15 @@ from durable.exceptions import HandlerTimeout
 
 
 class Deadlines:
-    """Arms ``SIGALRM`` around atomic handler calls on the main thread."""
+    """Arms ``SIGALRM`` around atomic handler calls on the main thread.
+
+    Whatever held ``SIGALRM`` before (pytest-timeout's signal method, say) gets its handler
+    and its remaining time back after each call.
+    """
 
     def __init__(self) -> None:
         self.armed = False
         self._timeout_s = 0.0
-        self._installed = False
-
-    def _enabled(self) -> bool:
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        if not self._installed:
-            signal.signal(signal.SIGALRM, self._on_alarm)
-            self._installed = True
-        return True
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if self.armed:
@@ -52,14 +49,24 @@ class Deadlines:
     @contextmanager
     def limit(self, timeout_s: float | None) -> Iterator[None]:
         """Interrupt the block with ``HandlerTimeout`` after ``timeout_s`` (None: no limit)."""
-        if not timeout_s or not self._enabled():
+        if (
+            not timeout_s
+            or not math.isfinite(timeout_s)
+            or threading.current_thread() is not threading.main_thread()
+        ):
             yield
             return
         self._timeout_s = timeout_s
+        previous = signal.signal(signal.SIGALRM, self._on_alarm)
+        started = time.monotonic()
         self.armed = True
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        pending, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             yield
         finally:
             self.armed = False
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if pending:  # someone else's alarm: give it back what is left of it
+                left = pending - (time.monotonic() - started)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))

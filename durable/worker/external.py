@@ -23,7 +23,6 @@ import logging
 import math
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,8 +134,8 @@ class Running:
     shard: int
     token: int
     spec: HandlerSpec
-    deadline: float
-    """``time.monotonic()`` past which :meth:`ExternalRunner.reap` abandons it."""
+    deadline_ms: float
+    """The worker's clock reading past which :meth:`ExternalRunner.reap` abandons it."""
     thread: threading.Thread | None = None
     returned: bool = False
     """The handler returned (its completion may still be committing)."""
@@ -192,8 +191,8 @@ class ExternalRunner:
     def submit(self, shard: int, token: int, timer: store.DueTimer, spec: HandlerSpec) -> None:
         """Run one claimed timer (its claim committed) on a pool thread."""
         timeout = self.timeout_s(spec)
-        deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
-        entry = Running(timer=timer, shard=shard, token=token, spec=spec, deadline=deadline)
+        deadline = self.clock.now_ms() + timeout * 1000 if math.isfinite(timeout) else math.inf
+        entry = Running(timer=timer, shard=shard, token=token, spec=spec, deadline_ms=deadline)
         with self._lock:
             self._running[timer.id] = entry
         run = self._ship if timer.kind in self.shipped else self._run
@@ -318,9 +317,9 @@ class ExternalRunner:
         Called from the engine's loop. The stuck thread is replaced in the pool; when its
         handler returns at last, its completion finds the claim gone and does nothing.
         """
-        now = time.monotonic()
+        now = self.clock.now_ms()
         with self._lock:
-            late = [e for e in self._running.values() if e.deadline <= now and not e.returned]
+            late = [e for e in self._running.values() if e.deadline_ms <= now and not e.returned]
             for entry in late:
                 entry.abandoned = True
         for entry in late:

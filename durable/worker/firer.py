@@ -191,15 +191,16 @@ class Firer:
     def _fire_contained(
         self, work: Work, counted: set[int], lost: dict[int, str]
     ) -> dict[int, BatchOutcome]:
-        """:meth:`_fire_batch`; a database error of its own splits the batch, and a timer
-        whose bookkeeping fails even alone is dead-lettered (or, failing that, set aside)."""
+        """:meth:`_fire_batch`; an error of the batch's own (not a handler's: a database
+        error in durable's bookkeeping, say) splits the batch, and a timer whose firing
+        fails even alone is dead-lettered (or, failing that, set aside)."""
         if not work:
             return {}
         try:
             return self._fire_batch(work, counted, lost)
         except (OperationalError, InterfaceError):
             raise  # the database is unreachable: the engine reconnects
-        except DatabaseError as exc:
+        except Exception as exc:  # a value the bookkeeping cannot store, say
             ids = [(runner, timer_id) for runner, chunk in work for timer_id in chunk]
             if len(ids) > 1:
                 outcomes: dict[int, BatchOutcome] = {}
@@ -397,10 +398,10 @@ class Firer:
             for timer, exc in out.errors:
                 self.outcomes.log_error(timer, timer.attempts, exc, count=False)
 
-    def _give_up(self, runner: ShardRunner, timer_id: int, exc: DatabaseError) -> None:
+    def _give_up(self, runner: ShardRunner, timer_id: int, exc: Exception) -> None:
         """Dead-letter a timer whose firing failed alone on a database error of its own
         (a value its bookkeeping cannot store, say); if even that fails, set it aside."""
-        error = f"firing it failed in the database: {sanitize_error(exc)}"
+        error = f"firing it failed outside its handler: {sanitize_error(exc)}"
         try:
             with transaction.atomic(using=self.db):
                 fence(self.db, runner.shard, runner.token)

@@ -15,6 +15,7 @@ from typing import Any
 from durable.conf import DurableSettings
 from durable.core.backoff import Backoff
 from durable.core.errors import sanitize_error
+from durable.dispatch import kinds
 from durable.exceptions import HandlerAborted
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
@@ -52,6 +53,7 @@ class Outcomes:
             readd.append((timer.shard, timer.id, fire_at))
             return
         store.mark_failed(self.db, timer, attempt, token, now_ms, error)
+        kinds.dead_lettered(self.db, timer, error, now_ms)
         if self.metrics is not None:
             self.metrics.on_dead_letter(timer.shard)
         event(

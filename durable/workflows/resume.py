@@ -36,12 +36,19 @@ from django.db import models, transaction
 from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
+from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import FiringBatch, register_batch_scope, register_kind
+from durable.dispatch.kinds import (
+    FiringBatch,
+    register_batch_scope,
+    register_dead_letter,
+    register_kind,
+)
 from durable.dispatch.registry import HandlerSpec
 from durable.exceptions import WorkflowError
 from durable.models import WorkflowState
 from durable.storage import checkpoints as cp
+from durable.storage import workflows as store
 from durable.storage.leases import fence
 from durable.workflows.backend import DatabaseBackend, event
 from durable.workflows.context import WorkflowContext
@@ -207,6 +214,22 @@ def _bound(snapshot: cp.RunSnapshot) -> Any:
         ) from None
 
 
+def fail_run(db: str, timer: Any, error: str, now_ms: int) -> None:
+    """The workflow kind's dead-letter hook: a run whose wake-up timer used up its
+    attempts (its replay kept crashing or hanging its worker, say) fails, rather than
+    stay ``running`` with nothing left to wake it; its parent, if any, is woken."""
+    text = f"its wake-up timer {timer.id} was dead-lettered: {error}"[:500]
+    ended = cp.fail_unfinished(db, timer.target, text, now_ms)
+    if ended is None:
+        return
+    event(logging.ERROR, "workflow.failed", run=timer.target, error=text)
+    parent = ended
+    if parent:
+        key = store.wake_key(parent, "child", timer.target)
+        store.ensure_wake(db, parent, shard_for(parent, get_settings().SHARDS), key, now_ms, now_ms)
+
+
 kind = WorkflowKind()
 register_kind("workflow", kind.resolve)
 register_batch_scope("workflow", kind.batch_scope)
+register_dead_letter("workflow", fail_run)
