@@ -27,6 +27,8 @@ class WorkerProcess:
                 "DATABASE_URL": url,
                 "DJANGO_DEBUG": "false",  # DEBUG keeps every query in memory
                 "DURABLE_LOG_LEVEL": "INFO",
+                # The worker runs only what it registered at start-up: the bench handlers.
+                "DURABLE_IMPORTS": "bench.peers.durable_side,bench.peers.cron_side",
                 **env,
             },
             stdout=self.log,

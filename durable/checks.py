@@ -1,58 +1,148 @@
-"""System checks (``manage.py check``) for durable's configuration.
+"""System checks (``manage.py check``) for durable's configuration and shards.
 
-Ids: ``durable.E001`` invalid DURABLE setting, ``durable.E002`` unknown database alias,
-``durable.E003`` out-of-range number.
+Settings (:func:`check_settings`, rules in :mod:`durable.conf`): ``durable.E001``
+``DURABLE`` is not a dict or has an unknown key, ``E002`` ``DATABASE`` is not an alias of
+``settings.DATABASES``, ``E003`` a value of the wrong type or out of range, ``E004``
+``DISPATCH`` is not a known mode, ``E005`` two settings that must agree do not.
+Schedules: ``E010``-``E019`` (:func:`check_crons`). With a database
+(``manage.py check --database default``, and always at worker start):
+``E006`` orphaned shards, ``W001`` lease rows beyond ``SHARDS``, ``W002`` the shards
+could not be looked at. Every problem is reported, one message per key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core import checks
 
+if TYPE_CHECKING:
+    from django.core.management.base import BaseCommand
 
-@checks.register()
+    from durable.storage.status import OrphanedShard, ShardStatus
+
+TAG = "durable"
+"""Tag of the checks a worker always runs before it starts (``--skip-checks`` or not)."""
+
+
+@checks.register(TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Validate ``settings.DURABLE``."""
-    from durable.conf import DurableSettings
+    """Validate ``settings.DURABLE``: every key's type and range, and keys that must agree."""
+    from durable.conf import find_problems, raw_settings
+
+    return [
+        checks.Error(problem.message, hint=problem.hint, id=problem.id)
+        for problem in find_problems(raw_settings())
+        # CRONS that is not a dict is reported by check_crons (durable.E015).
+        if problem.keys != ("CRONS",)
+    ]
+
+
+@checks.register(TAG, checks.Tags.database)
+def check_orphaned_shards(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Report work on shards ``>= SHARDS``, which no worker owns (after SHARDS was lowered).
+
+    Touches the database, so runs only when asked for ``DURABLE["DATABASE"]`` (Django's
+    ``databases`` argument: ``manage.py check --database default``, the worker's start).
+    """
+    from django.core.exceptions import ImproperlyConfigured
+    from django.db import DatabaseError
+
+    from durable.apps import current_clock
+    from durable.conf import get_settings
+    from durable.storage import status
 
     try:
-        conf = DurableSettings.from_dict(dict(getattr(settings, "DURABLE", {}) or {}))
-    except (TypeError, ValueError) as exc:
-        return [checks.Error(f"Invalid DURABLE setting: {exc}", id="durable.E001")]
-    errors: list[checks.CheckMessage] = []
-    if conf.DATABASE not in settings.DATABASES:
-        errors.append(
-            checks.Error(
-                f"DURABLE['DATABASE'] = {conf.DATABASE!r} is not in settings.DATABASES",
-                id="durable.E002",
+        conf = get_settings()
+    except ImproperlyConfigured:
+        return []  # reported by check_settings
+    if not databases or conf.DATABASE not in databases:
+        return []
+    try:
+        if not status.tables_exist(conf.DATABASE):
+            return []  # not migrated yet (``migrate`` runs database checks too): no timers
+        orphans = status.orphaned_shards(conf.DATABASE, conf.SHARDS)
+        leases = status.leases_beyond(conf.DATABASE, conf.SHARDS, current_clock().now_ms())
+    except DatabaseError as exc:  # unreachable: the worker waits for it as it always does
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [
+            checks.Warning(
+                f"Could not look for orphaned shards in database {conf.DATABASE!r}: {first}",
+                hint="Check that the database is reachable and migrated.",
+                id="durable.W002",
             )
-        )
-    for name, low in (("SHARDS", 1), ("BATCH_SIZE", 1), ("HORIZON_BUCKETS", 1)):
-        value = getattr(conf, name)
-        if not isinstance(value, int) or value < low:
-            errors.append(
-                checks.Error(
-                    f"DURABLE[{name!r}] must be an integer >= {low}, got {value!r}",
-                    id="durable.E003",
-                )
-            )
-    if conf.DISPATCH not in ("inline", "kombu"):
-        errors.append(
-            checks.Error(
-                f"DURABLE['DISPATCH'] must be 'inline' or 'kombu', got {conf.DISPATCH!r}",
-                id="durable.E004",
-            )
-        )
-    if not 8 <= conf.BUCKET_SHIFT <= 24:
-        errors.append(
-            checks.Error(
-                f"DURABLE['BUCKET_SHIFT'] must be between 8 and 24, got {conf.BUCKET_SHIFT!r}",
-                id="durable.E003",
-            )
-        )
-    return errors
+        ]
+    messages: list[checks.CheckMessage] = []
+    if orphans:
+        messages.append(_orphans_error(orphans, conf.SHARDS))
+    if leases:
+        messages.append(_leases_warning(leases, conf.SHARDS))
+    return messages
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def _orphans_error(orphans: list[OrphanedShard], shard_count: int) -> checks.CheckMessage:
+    shown = []
+    for o in orphans[:10]:
+        parts = [
+            _plural(o.pending, "pending timer") if o.pending else "",
+            _plural(o.firing, "firing timer") if o.firing else "",
+            _plural(o.runs, "unfinished workflow run") if o.runs else "",
+        ]
+        shown.append(f"shard {o.shard}: " + ", ".join(p for p in parts if p))
+    more = f"; and {len(orphans) - 10} more shards" if len(orphans) > 10 else ""
+    pending = sum(o.pending for o in orphans)
+    firing = sum(o.firing for o in orphans)
+    runs = sum(o.runs for o in orphans)
+    return checks.Error(
+        f"{_plural(len(orphans), 'shard')} at or above DURABLE['SHARDS'] = {shard_count} "
+        f"hold work no worker will run ({_plural(pending, 'pending timer')}, "
+        f"{_plural(firing, 'firing timer')}, {_plural(runs, 'unfinished workflow run')}): "
+        + "; ".join(shown)
+        + more,
+        hint=f"SHARDS was lowered while timers existed. Set DURABLE['SHARDS'] back to "
+        f"{orphans[-1].shard + 1} or more: the shard count is fixed once timers exist.",
+        id="durable.E006",
+    )
+
+
+def _leases_warning(leases: list[ShardStatus], shard_count: int) -> checks.CheckMessage:
+    numbers = ", ".join(str(s.shard) for s in leases[:20])
+    if len(leases) > 20:
+        numbers += f" and {len(leases) - 20} more"
+    held = [f"shard {s.shard} by {s.owner!r}" for s in leases if s.live][:5]
+    live = (
+        f"; held right now ({', '.join(held)}): a worker runs with a larger SHARDS" if held else ""
+    )
+    return checks.Warning(
+        f"Shard lease rows exist beyond DURABLE['SHARDS'] = {shard_count}: shards {numbers}{live}",
+        hint="They are left from a larger SHARDS (durable.E006 says whether those shards "
+        f"still hold work). Once every worker runs with SHARDS = {shard_count}, delete them: "
+        f"durable.models.ShardLease.objects.filter(shard__gte={shard_count}).delete()",
+        id="durable.W001",
+    )
+
+
+def run_worker_checks(command: BaseCommand, *, everything: bool, shards: bool) -> None:
+    """Before a worker starts: run the checks, raise ``SystemCheckError`` on any error.
+
+    durable's own checks (tag ``durable``: the settings, and with ``shards`` the orphaned
+    shards of ``DURABLE["DATABASE"]``) always run; ``everything`` adds the project's other
+    checks (what ``--skip-checks`` turns off). Warnings go to the command's stderr.
+    """
+    from durable.conf import DatabaseAlias, raw_settings
+
+    raw = raw_settings()
+    alias = raw.get("DATABASE", "default") if isinstance(raw, Mapping) else None
+    databases = [alias] if shards and DatabaseAlias()(alias) else None
+    command.check(tags=None if everything else [TAG], databases=databases)
 
 
 # Schedules: durable.E010 invalid cron expression, E011 unknown time zone, E012 unknown
@@ -100,4 +190,28 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
                     id="durable.E014",
                 )
             )
+    return errors
+
+
+# durable.E007: DURABLE["IMPORTS"] names a module that cannot be found. Its type (a list
+# of non-empty strings) is the settings rules' (durable.conf.RULES, E003).
+@checks.register()
+def check_imports(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Report the modules of ``DURABLE["IMPORTS"]`` that do not exist."""
+    from importlib.util import find_spec
+
+    imports = (getattr(settings, "DURABLE", None) or {}).get("IMPORTS", [])
+    if not isinstance(imports, list | tuple):
+        return []  # reported by check_settings
+    errors: list[checks.CheckMessage] = []
+    for index, name in enumerate(imports):
+        if not isinstance(name, str) or not name:
+            continue  # reported by check_settings
+        try:
+            found = find_spec(name) is not None  # imports its parent packages only
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            where = f"DURABLE['IMPORTS'][{index}]"
+            errors.append(checks.Error(f"{where}: no module named {name!r}", id="durable.E007"))
     return errors

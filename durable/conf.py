@@ -1,18 +1,28 @@
-"""``settings.DURABLE`` parsed once into a frozen :class:`DurableSettings`.
+"""``settings.DURABLE`` parsed once into a frozen :class:`DurableSettings`, and checked.
 
 Read it with :func:`get_settings`; it is rebuilt when tests change ``DURABLE`` through
-``override_settings`` (the ``setting_changed`` signal clears the cache). Misconfiguration
-is reported by ``manage.py check`` (``durable.checks``), not by surprise at run time.
+``override_settings`` (the ``setting_changed`` signal clears the cache).
+
+Every key has a rule in :data:`RULES` (its type and range) and pairs of keys that must
+agree have one in :data:`RELATIONS`; :func:`find_problems` applies them all and reports
+every problem, not the first. ``manage.py check`` shows them (``durable.checks``), the
+worker commands refuse to start on any of them, and :func:`get_settings` raises
+``ImproperlyConfigured`` naming the keys whose value cannot be used at all, rather than
+letting a ``TypeError`` surface deep inside the worker. A new key needs one line in
+:data:`RULES`; a unit test fails for a key without one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
@@ -61,24 +71,323 @@ class DurableSettings:
     DISPATCH: str = "inline"
     BROKER_URL: str = "memory://"
     CRONS: dict[str, Any] = field(default_factory=dict)
+    IMPORTS: list[str] = field(default_factory=list)
+    """Modules the worker imports at start-up, besides every installed app's ``handlers``,
+    ``workflows``, ``crons`` and ``tasks``: where handlers, workflows, schedules and tasks
+    kept elsewhere are registered (``["myapp.services"]``)."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DurableSettings:
-        """Build from ``settings.DURABLE``; unknown keys raise ``ValueError`` naming them."""
+        """Build from ``settings.DURABLE``; unknown keys raise ``ValueError`` naming them.
+
+        Values are taken as they are: :func:`find_problems` is what checks them.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(map(str, set(raw) - known))
         if unknown:
             raise ValueError(f"Unknown DURABLE setting(s): {', '.join(unknown)}")
         return cls(**raw)
 
 
+# --- rules: one per key ------------------------------------------------------------------
+
+# Instants computed from these durations (claim deadlines, retry times) must stay far
+# inside the 64-bit millisecond columns and Python's datetimes: a year is plenty for any.
+YEAR_S = 365 * 86_400
+# The worker asks PostgreSQL to abort its transactions left idle for 2 x LEASE_TTL_S
+# (housekeeping.guard_session); that setting takes at most 2**31 - 1 milliseconds.
+MAX_LEASE_TTL_S = 1_000_000
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Integer:
+    """An ``int`` (never a ``bool``) in ``[low, high]``."""
+
+    low: int
+    high: int | None = None
+
+    def __call__(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return False
+        return self.low <= value and (self.high is None or value <= self.high)
+
+    @property
+    def requirement(self) -> str:
+        if self.high is None:
+            return f"an integer >= {_num(self.low)}"
+        return f"an integer from {_num(self.low)} to {_num(self.high)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Number:
+    """A finite ``int`` or ``float`` (never a ``bool``) above (or from) ``low``, up to ``high``."""
+
+    low: float
+    high: float
+    above: bool = False  # True: strictly greater than low
+
+    def __call__(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if not math.isfinite(value):
+            return False
+        low_ok = value > self.low if self.above else value >= self.low
+        return low_ok and value <= self.high
+
+    @property
+    def requirement(self) -> str:
+        low = f"> {_num(self.low)}" if self.above else f">= {_num(self.low)}"
+        return f"a number (int or float) {low} and <= {_num(self.high)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Predicate:
+    """Any other test, with the words for what it accepts."""
+
+    test: Callable[[Any], bool]
+    words: str
+
+    def __call__(self, value: Any) -> bool:
+        return self.test(value)
+
+    @property
+    def requirement(self) -> str:
+        return self.words
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseAlias:
+    """An alias of ``settings.DATABASES`` (read when checking, so overrides count)."""
+
+    def __call__(self, value: Any) -> bool:
+        return isinstance(value, str) and value in settings.DATABASES
+
+    @property
+    def requirement(self) -> str:
+        aliases = ", ".join(repr(a) for a in settings.DATABASES)
+        return f"a database alias in settings.DATABASES ({aliases})"
+
+
+class Check(Protocol):
+    """A value test that can say what it accepts."""
+
+    def __call__(self, value: Any) -> bool: ...
+
+    @property
+    def requirement(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one key is checked, and the id of the check that reports a bad value."""
+
+    check: Check
+    id: str = "durable.E003"
+
+    @property
+    def requirement(self) -> str:
+        """What a good value is, in the words the check message uses."""
+        return self.check.requirement
+
+
+RULES: dict[str, Rule] = {
+    "DATABASE": Rule(DatabaseAlias(), id="durable.E002"),
+    # Shard numbers live in smallint columns (Timer, WorkflowRun, ShardLease).
+    "SHARDS": Rule(Integer(1, 32_767)),
+    "BUCKET_SHIFT": Rule(Integer(8, 24)),
+    "HORIZON_BUCKETS": Rule(Integer(1, 1_000_000)),
+    # Renewed every TTL / 3: below a second, a GC pause or one slow query loses leases.
+    "LEASE_TTL_S": Rule(Number(1, MAX_LEASE_TTL_S)),
+    # The worker counts in whole milliseconds.
+    "RESCAN_INTERVAL_S": Rule(Number(0.001, YEAR_S)),
+    "BATCH_SIZE": Rule(Integer(1)),
+    "BATCH_TIME_BUDGET_S": Rule(Number(0, YEAR_S, above=True)),
+    "CLAIM_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    # Timer.max_attempts is a 32-bit integer column.
+    "MAX_ATTEMPTS": Rule(Integer(1, 2_147_483_647)),
+    "BACKOFF_BASE_S": Rule(Number(0, YEAR_S, above=True)),
+    "BACKOFF_MAX_S": Rule(Number(0, YEAR_S, above=True)),
+    # 0: pruned at the next pass; the cutoff must stay a representable datetime.
+    "RETENTION_DAYS": Rule(Number(0, 36_500)),
+    "MAX_PAYLOAD_BYTES": Rule(Integer(1)),
+    "NOTIFY": Rule(Predicate(lambda v: isinstance(v, bool), "True or False")),
+    "DISPATCH": Rule(
+        Predicate(lambda v: v in ("inline", "kombu"), "one of 'inline', 'kombu'"), id="durable.E004"
+    ),
+    "BROKER_URL": Rule(
+        Predicate(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+    ),
+    # Each entry is checked by durable.checks.check_crons (E010-E019), which also
+    # reports a CRONS that is not a dict (E015).
+    "CRONS": Rule(Predicate(lambda v: isinstance(v, dict), "a dict"), id="durable.E015"),
+    # Whether each module exists is checked by durable.checks.check_imports (E007).
+    "IMPORTS": Rule(
+        Predicate(
+            lambda v: isinstance(v, list | tuple) and all(isinstance(m, str) and m for m in v),
+            "a list of module paths (non-empty strings)",
+        )
+    ),
+}
+"""Key → rule. Every field of :class:`DurableSettings` must have one (a test says so)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Relation:
+    """Two keys whose values must agree: ``holds(first, second)``, and why."""
+
+    first: str
+    second: str
+    holds: Callable[[Any, Any], bool]
+    requirement: str
+    why: str
+
+
+RELATIONS: tuple[Relation, ...] = (
+    Relation(
+        "RESCAN_INTERVAL_S",
+        "LEASE_TTL_S",
+        lambda a, b: a < b,
+        "less than",
+        "the rescan bounds how late a timer is when its NOTIFY was lost (and on databases "
+        "without NOTIFY); a bound longer than a lease's life is a mistake",
+    ),
+    Relation(
+        "BATCH_TIME_BUDGET_S",
+        "LEASE_TTL_S",
+        lambda a, b: a < b,
+        "less than",
+        "leases are renewed between batches, never during one: a batch that spends its "
+        "budget would let every lease of its worker lapse",
+    ),
+    Relation(
+        "BATCH_TIME_BUDGET_S",
+        "CLAIM_TIMEOUT_S",
+        lambda a, b: a < b,
+        "less than",
+        "a claim's deadline is set when its batch starts and its handler starts after the "
+        "batch commits: the claim could expire before the handler runs, which runs it twice",
+    ),
+    Relation(
+        "BACKOFF_BASE_S",
+        "BACKOFF_MAX_S",
+        lambda a, b: a <= b,
+        "at most",
+        "the first retry's delay cannot exceed the cap on every delay",
+    ),
+)
+"""Pairs of keys that must agree (``durable.E005``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with ``settings.DURABLE``: check id, keys involved, message."""
+
+    id: str
+    keys: tuple[str, ...]
+    message: str
+    hint: str | None = None
+
+    @property
+    def unusable(self) -> bool:
+        """A value that cannot be used at all (as opposed to two values that disagree)."""
+        return self.id != "durable.E005"
+
+
+def raw_settings() -> Any:
+    """``settings.DURABLE`` as written (absent or ``None`` reads as ``{}``)."""
+    raw = getattr(settings, "DURABLE", None)
+    return {} if raw is None else raw
+
+
+def find_problems(raw: Any) -> list[Problem]:
+    """Every problem of ``raw`` (a ``settings.DURABLE`` value), in key order; [] if none.
+
+    Not a dict: one problem. Otherwise one per unknown key, one per key whose value breaks
+    its rule, and one per relation broken by values that are each fine on their own.
+    """
+    if not isinstance(raw, Mapping):
+        return [
+            Problem(
+                "durable.E001",
+                (),
+                f"settings.DURABLE must be a dict of setting name -> value, got {_show(raw)}",
+                hint='e.g. DURABLE = {"SHARDS": 64}',
+            )
+        ]
+    problems = [
+        Problem(
+            "durable.E001",
+            (str(key),),
+            f"Unknown DURABLE setting {key!r}",
+            hint="known settings: " + ", ".join(RULES),
+        )
+        for key in sorted(set(raw) - set(RULES), key=repr)
+    ]
+    values = {
+        f.name: getattr(DurableSettings(), f.name) for f in dataclasses.fields(DurableSettings)
+    }
+    for key, rule in RULES.items():
+        if key not in raw:
+            continue
+        if rule.check(raw[key]):
+            values[key] = raw[key]
+            continue
+        values.pop(key, None)
+        problems.append(
+            Problem(
+                rule.id,
+                (key,),
+                f"DURABLE[{key!r}] must be {rule.requirement}, got {_show(raw[key])}",
+            )
+        )
+    for rel in RELATIONS:
+        if rel.first not in values or rel.second not in values:
+            continue  # a bad value is reported on its own
+        first, second = values[rel.first], values[rel.second]
+        if not rel.holds(first, second):
+            problems.append(
+                Problem(
+                    "durable.E005",
+                    (rel.first, rel.second),
+                    f"DURABLE[{rel.first!r}] ({_num(first)}) must be {rel.requirement} "
+                    f"DURABLE[{rel.second!r}] ({_num(second)})",
+                    hint=f"{rel.why[0].upper()}{rel.why[1:]}.",
+                )
+            )
+    return problems
+
+
 @cache
 def get_settings() -> DurableSettings:
-    """Return the current :class:`DurableSettings` (cached until ``DURABLE`` changes)."""
-    return DurableSettings.from_dict(dict(getattr(settings, "DURABLE", {}) or {}))
+    """Return the current :class:`DurableSettings` (cached until ``DURABLE`` changes).
+
+    Raises ``ImproperlyConfigured`` naming every key whose value cannot be used (not a
+    dict, unknown key, wrong type or out of range). Keys that only disagree with each
+    other (``durable.E005``) do not raise here: they are reported by ``manage.py check``,
+    and the worker refuses to start on them.
+    """
+    raw = raw_settings()
+    problems = [p for p in find_problems(raw) if p.unusable]
+    if problems:
+        raise ImproperlyConfigured(
+            "settings.DURABLE is invalid (`manage.py check` lists every problem): "
+            + "; ".join(p.message for p in problems)
+        )
+    return DurableSettings.from_dict(dict(raw))
 
 
 @receiver(setting_changed)
 def _reset(*, setting: str, **_: Any) -> None:
-    if setting == "DURABLE":
+    if setting in ("DURABLE", "DATABASES"):
         get_settings.cache_clear()

@@ -13,21 +13,34 @@ transaction (at least once, like ``atomic=False`` handlers) and records its outc
 the timer row, so ``get_result(result_id)`` works from any process. The result id is the
 timer id, as a string, and ``durable.cancel(int(result.id))`` cancels a task not run yet.
 
+The worker looks a timer's module path up in :data:`registry`, which ``@task`` fills
+through :meth:`DurableBackend.validate_task` when the worker imports the task's module at
+start-up (an app's ``tasks.py``, or ``DURABLE["IMPORTS"]``); it never imports a path
+read from a row.
+
 Backend ``OPTIONS``: ``MAX_ATTEMPTS`` (default 1: a task that raises is ``FAILED``, as
 Django's semantics say; more attempts retry with ``DURABLE``'s backoff, and the result
-stays ``READY`` in between). Priorities are accepted and kept on the result; the worker
-runs tasks by due time, so priority does not reorder them (see the how-to).
+stays ``READY`` in between). The worker runs due tasks by due time, not by priority, so
+``supports_priority`` is false and Django rejects a task declared with a non-default
+priority (see the how-to).
+
+This module imports durable's models only inside functions: Django loads the backend
+when a ``@task`` is declared, and ``check()`` must be able to say that ``durable`` is
+missing from ``INSTALLED_APPS`` rather than fail on the import.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import traceback
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
+from django.core import checks
 from django.db import transaction
 from django.utils.module_loading import import_string
 
@@ -37,10 +50,12 @@ from durable.core.errors import sanitize_error
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import register_kind
-from durable.dispatch.registry import HandlerSpec
-from durable.models import Timer, TimerState
+from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerSpec
+from durable.exceptions import PayloadError, UnknownHandler
 from durable.scheduling import validation as v
-from durable.storage import timers as store
+
+if TYPE_CHECKING:
+    from durable.models import Timer
 
 try:  # Django 6
     from django.tasks import exceptions as _exceptions
@@ -67,20 +82,42 @@ InvalidTaskError: type[Exception] = getattr(
 
 #: ``Timer.kind`` of task timers (see the lead's TimerKind note in the how-to).
 TASK_KIND = "task"
-#: Longest traceback kept per attempt (paths stripped, as for ``last_error``).
+#: Longest traceback kept per attempt (paths stripped, as for ``last_error``); a longer
+#: one keeps its end, which holds the innermost frames and the exception's message.
 MAX_TRACEBACK_CHARS = 4000
 
+# TimerState's values, spelled out: durable.models is not imported at module level.
+_PENDING, _FIRING, _FIRED, _FAILED, _CANCELED = "pending", "firing", "fired", "failed", "canceled"
 _STATUS = {
-    TimerState.PENDING: TaskResultStatus.READY,
-    TimerState.FIRING: TaskResultStatus.RUNNING,
-    TimerState.FIRED: TaskResultStatus.SUCCESSFUL,
-    TimerState.FAILED: TaskResultStatus.FAILED,
-    TimerState.CANCELED: TaskResultStatus.FAILED,
+    _PENDING: TaskResultStatus.READY,
+    _FIRING: TaskResultStatus.RUNNING,
+    _FIRED: TaskResultStatus.SUCCESSFUL,
+    _FAILED: TaskResultStatus.FAILED,
+    _CANCELED: TaskResultStatus.FAILED,
 }
 
 
 class TaskCanceled(Exception):
     """The task's timer was cancelled (``durable.cancel``) before it ran."""
+
+
+class TaskPayloadError(PayloadError, TypeError):
+    """A task's argument or return value is not JSON.
+
+    Raised by ``enqueue()`` and recorded as the error of a run whose return value is not
+    JSON. A ``TypeError``, as Django's Tasks documentation says, and a
+    :class:`durable.exceptions.PayloadError` (so a ``ValueError`` too), whose ``path``
+    names the offending part (``args[0]``, ``return value['when']``).
+    """
+
+
+class TaskAborted(Exception):
+    """A task raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``...).
+
+    The task's result records the original error; the worker is handed this ordinary
+    exception (chained from it) and counts a failed attempt, instead of letting
+    ``SystemExit`` or ``KeyboardInterrupt`` out of a task into the worker.
+    """
 
 
 class DurableBackend(BaseTaskBackend):
@@ -89,7 +126,8 @@ class DurableBackend(BaseTaskBackend):
     supports_defer = True
     supports_get_result = True
     supports_async_task = True
-    supports_priority = True
+    # Due tasks run in due-time order, not by priority: false, so Django rejects priorities.
+    supports_priority = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -100,12 +138,14 @@ class DurableBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Write the task's timer in the caller's transaction and return its result handle."""
+        from durable.storage import timers as store
+
         self.validate_task(task)
         _check_importable(task)
         conf = get_settings()
         now_ms = current_clock().now_ms()
         fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
-        args, kwargs = v.check_payload(list(args), dict(kwargs), None, conf.MAX_PAYLOAD_BYTES)
+        args, kwargs = _check_arguments(args, kwargs, conf.MAX_PAYLOAD_BYTES)
         timer = store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -132,14 +172,40 @@ class DurableBackend(BaseTaskBackend):
         _signals.task_enqueued.send(type(self), task_result=result)
         return result
 
+    def validate_task(self, task: Task) -> None:
+        """Django's checks, then register ``task``: Django calls this when a Task is made.
+
+        ``@task`` runs it at import, so importing a task's module (the worker's start-up
+        does, see :mod:`durable.discovery`) registers the task for the worker to run.
+        """
+        super().validate_task(task)
+        registry.register(task)
+
     def get_result(self, result_id: str) -> TaskResult:
         """Return the stored result of ``result_id``; raise ``TaskResultDoesNotExist``."""
         timer = _load(result_id)
-        return _to_result(timer, _task_of(timer))
+        try:
+            task = _task_of(timer)
+        except UnknownHandler as exc:
+            raise TaskResultDoesNotExist(f"task result {timer.pk}: {exc}") from None
+        return _to_result(timer, task)
 
     def check(self, **kwargs: Any) -> Any:
-        """No extra checks: DURABLE's own system checks cover the database and settings."""
-        return []
+        """Report ``durable.E030`` if ``durable`` is not in ``INSTALLED_APPS``.
+
+        DURABLE's own system checks cover its database and settings once it is installed.
+        """
+        if apps.is_installed("durable"):
+            return []
+        return [
+            checks.Error(
+                f"TASKS[{self.alias!r}] uses durable.tasks.DurableBackend, but 'durable' is "
+                "not in INSTALLED_APPS",
+                hint="Add 'durable' to INSTALLED_APPS and run migrate: tasks are rows in "
+                "durable's timer table.",
+                id="durable.E030",
+            )
+        ]
 
 
 def _check_importable(task: Task) -> None:
@@ -156,6 +222,8 @@ def _check_importable(task: Task) -> None:
 
 
 def _load(result_id: Any) -> Timer:
+    from durable.storage import timers as store
+
     try:
         timer_id = int(result_id)
     except (TypeError, ValueError):
@@ -166,14 +234,57 @@ def _load(result_id: Any) -> Timer:
     return timer
 
 
+class TaskRegistry:
+    """Module path → the ``Task`` defined there, for tasks on a :class:`DurableBackend`.
+
+    Filled by :meth:`DurableBackend.validate_task` as ``@task`` runs. A timer's target
+    (the module path) is row data: it is looked up here, never imported.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, Task] = {}
+        self._lock = threading.Lock()
+
+    def register(self, task: Task) -> None:
+        """Remember ``task`` under its module path (variants made by ``using()`` are not kept)."""
+        with self._lock:
+            found = self._tasks.get(task.module_path)
+            if found is None or found.func is not task.func:
+                self._tasks[task.module_path] = task
+
+    def get(self, module_path: str) -> Task | None:
+        """The Task registered under ``module_path``, or ``None``."""
+        return self._tasks.get(module_path)
+
+    def resolve(self, module_path: str) -> Task:
+        """The Task registered under ``module_path``; raise :class:`UnknownHandler`.
+
+        Outside the worker a task's module may not be imported yet: the conventional
+        modules are imported once (:func:`durable.discovery.discover_once`), then the
+        name is looked up again. Nothing named by the row itself is imported.
+        """
+        task = self._tasks.get(module_path)
+        if task is None:
+            from durable.discovery import discover_once
+
+            discover_once()
+            task = self._tasks.get(module_path)
+        if task is None:
+            raise UnknownHandler(
+                f"unknown task {module_path!r}: it is not registered (no @task of that name on a "
+                f"DurableBackend was imported at start-up); {WHERE_TO_REGISTER}",
+                handler=module_path,
+            )
+        return task
+
+
+#: Every task of a :class:`DurableBackend`, by module path (the worker reads it).
+registry = TaskRegistry()
+
+
 def _task_of(timer: Timer) -> Task:
     """The Task a timer runs, with the options it was enqueued with."""
-    try:
-        task = import_string(timer.target)
-    except ImportError:
-        raise TaskResultDoesNotExist(
-            f"task result {timer.pk}: its task {timer.target!r} is no longer importable"
-        ) from None
+    task = registry.resolve(timer.target)
     context = timer.context or {}
     run_after = context.get("run_after_ms")
     return task.using(  # type: ignore[no-any-return]
@@ -187,11 +298,11 @@ def _task_of(timer: Timer) -> Task:
 def _to_result(timer: Timer, task: Task) -> TaskResult:
     record = timer.result if isinstance(timer.result, dict) else {}
     errors = [TaskError(**error) for error in record.get("errors", [])]
-    status = _STATUS[TimerState(timer.state)]
-    if timer.state == TimerState.CANCELED:
+    status = _STATUS[timer.state]
+    if timer.state == _CANCELED:
         errors.append(TaskError(exception_class_path=_path(TaskCanceled), traceback="canceled"))
     finished = None
-    if timer.state in (TimerState.FIRED, TimerState.FAILED):
+    if timer.state in (_FIRED, _FAILED):
         finished = timer.fired_at or _when(record.get("finished_ms"))
     result = TaskResult(
         task=task,
@@ -199,7 +310,7 @@ def _to_result(timer: Timer, task: Task) -> TaskResult:
         status=status,
         enqueued_at=timer.created_at,
         started_at=_when(record.get("started_ms")),
-        finished_at=finished or (timer.updated_at if timer.state == TimerState.CANCELED else None),
+        finished_at=finished or (timer.updated_at if timer.state == _CANCELED else None),
         last_attempted_at=_when(record.get("attempted_ms")),
         args=timer.args,
         kwargs=timer.kwargs,
@@ -220,20 +331,39 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any], dict[str, Any]]:
+    try:
+        return v.check_payload(list(args), dict(kwargs), None, max_bytes)
+    except PayloadError as exc:
+        if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
+            raise
+        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
+
+
 # -- running a task (the worker side) -------------------------------------------------
 
 
 def resolve(module_path: str) -> HandlerSpec:
-    """The ``task`` kind's resolver: run the Django task at ``module_path``, at least once."""
+    """The ``task`` kind's resolver: run the Django task at ``module_path``, at least once.
+
+    An unregistered path raises :class:`UnknownHandler`: the timer fails, nothing is
+    imported.
+    """
+    registry.resolve(module_path)
     return HandlerSpec(name=module_path, fn=partial(run_task, module_path), atomic=False)
 
 
 def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     """Run one attempt of the task being fired and record its outcome on its timer.
 
-    Sends ``task_started`` and ``task_finished``. An exception is recorded (class path
-    and traceback) and re-raised, so the worker retries or fails the timer.
+    The result is written before the task is called (``RUNNING``, with its start, attempt
+    time and worker ids) and again when it returns or raises. Sends ``task_started`` and
+    ``task_finished``. An ``Exception`` is recorded (class path and traceback) and
+    re-raised, so the worker retries or fails the timer; any other ``BaseException`` is
+    recorded the same way and re-raised as :class:`TaskAborted`.
     """
+    from durable.storage import timers as store
+
     fire = current_fire()
     if fire is None:
         raise RuntimeError("run_task() runs only when the worker fires a task timer")
@@ -246,30 +376,46 @@ def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     record.setdefault("started_ms", fire.fired_ms)
     record["attempted_ms"] = fire.fired_ms
     record["worker_ids"] = [*record.get("worker_ids", []), _worker_id()]
-    timer.state, timer.result = TimerState.FIRING, record
-    _signals.task_started.send(type(task.get_backend()), task_result=_to_result(timer, task))
+    # Stored before the call, so get_result() shows the start and attempts while it runs.
+    store.store_result(db, timer.pk, record)
+    timer.state, timer.result = _FIRING, record
     try:
-        if task.takes_context:
-            context = TaskContext(task_result=_to_result(timer, task))
-            value = task.call(context, *args, **kwargs)
-        else:
-            value = task.call(*args, **kwargs)
-        v.check_json(value, "return value")
-    except Exception as exc:
+        _signals.task_started.send(type(task.get_backend()), task_result=_to_result(timer, task))
+        value = _call(task, timer, args, kwargs)
+    # BaseException too: a task's SystemExit or KeyboardInterrupt is its failure (as in
+    # Django's own backends), not the worker's; signals reach only the main thread.
+    except BaseException as exc:
         record["errors"] = [*record.get("errors", []), _error(exc)]
         final = fire.attempt >= timer.max_attempts
-        _finish(db, timer, task, record, TimerState.FAILED if final else TimerState.PENDING)
-        raise
+        _finish(db, timer, task, record, _FAILED if final else _PENDING)
+        if isinstance(exc, Exception):
+            raise
+        raise TaskAborted(f"task {module_path} raised {type(exc).__name__}: {exc}") from exc
     record["return_value"] = value
-    _finish(db, timer, task, record, TimerState.FIRED)
+    _finish(db, timer, task, record, _FIRED)
+    return value
+
+
+def _call(task: Task, timer: Timer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if task.takes_context:
+        context = TaskContext(task_result=_to_result(timer, task))
+        value = task.call(context, *args, **kwargs)
+    else:
+        value = task.call(*args, **kwargs)
+    try:
+        v.check_json(value, "return value")
+    except PayloadError as exc:
+        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
     return value
 
 
 def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: str) -> None:
+    from durable.storage import timers as store
+
     # Written before the worker completes the timer (in autocommit: external fires run
     # outside any transaction). A crash in between leaves the row firing with this
     # record, and the re-run appends to it.
-    if state != TimerState.PENDING:
+    if state != _PENDING:
         record["finished_ms"] = current_clock().now_ms()
     store.store_result(db, timer.pk, record)
     # The signal shows what the result reads once the worker commits the completion.
@@ -280,10 +426,12 @@ def _finish(db: str, timer: Timer, task: Task, record: dict[str, Any], state: st
 
 def _error(exc: BaseException) -> dict[str, str]:
     text = "".join(traceback.format_exception(exc))
-    return {
-        "exception_class_path": _path(type(exc)),
-        "traceback": sanitize_error(text, limit=MAX_TRACEBACK_CHARS),
-    }
+    text = sanitize_error(text, limit=len(text) + 1)  # paths only: stripping never grows it
+    if len(text) > MAX_TRACEBACK_CHARS:
+        # Keep the end, as Django's backends do: the innermost frames and the
+        # "ValueError: message" line are what a reader needs.
+        text = "…" + text[-(MAX_TRACEBACK_CHARS - 1) :]
+    return {"exception_class_path": _path(type(exc)), "traceback": text}
 
 
 def _worker_id() -> str:

@@ -4,7 +4,10 @@ Configured only through environment variables (django-environ), so the same code
 the SQLite demo, the test suites and the docker-compose cluster:
 
 - ``DATABASE_URL``: defaults to a SQLite file beside ``manage.py``.
-- ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``: worker tuning.
+- ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
+  ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
+- ``DURABLE_IMPORTS``: comma-separated modules the worker imports at start-up (handlers
+  outside the apps' conventional modules).
 - ``DJANGO_SECRET_KEY``, ``DJANGO_DEBUG``, ``DJANGO_ALLOWED_HOSTS``.
 """
 
@@ -87,8 +90,18 @@ DURABLE = {
     "SHARDS": env.int("DURABLE_SHARDS", default=64),
     "LEASE_TTL_S": env.float("DURABLE_LEASE_TTL_S", default=10.0),
     "RESCAN_INTERVAL_S": env.float("DURABLE_RESCAN_INTERVAL_S", default=2.0),
+    # Must stay below LEASE_TTL_S (durable.E005): tests run leases of 2 s.
+    "BATCH_TIME_BUDGET_S": env.float("DURABLE_BATCH_TIME_BUDGET_S", default=2.0),
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
+    # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
+    # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers
+    # fire handlers kept under tests/, which is not an app.
+    "IMPORTS": [
+        "testproject.demo.probes",
+        "testproject.demo.workload",
+        *env.list("DURABLE_IMPORTS", default=[]),
+    ],
 }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

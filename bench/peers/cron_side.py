@@ -1,7 +1,7 @@
 """durable's side of the schedule benchmark: the handler every benchmark schedule runs.
 
 It lives in its own module (not in ``bench/schedules.py``, which runs as ``__main__``) so
-that the engine, resolving ``bench.peers.cron_side.stamp`` by name, finds this module's
+that the engine, looking ``bench.peers.cron_side.stamp`` up by name, finds this module's
 recorder rather than a second copy of the script.
 """
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import durable
 from bench._common import Recorder, wall_ms
 
 RECORDER = Recorder()
 
 
+@durable.handler  # registered: what durable.schedules.create() may name
 def stamp(occurrence: Any) -> None:
     """Record ``(scheduled_ms, wall clock now)``: lateness is measured at handler start."""
     RECORDER.events.append((occurrence.scheduled_ms, wall_ms()))

@@ -1,15 +1,17 @@
 """The handler registry: ``@durable.handler`` functions, by dotted name.
 
 A handler's name is ``"<module>.<qualname>"``; that string is what a ``Timer`` stores in
-``target``. At fire time the worker resolves the name, importing the module when the
-handler is not registered yet (the decorator registers on import), so a worker does not
-need to import every handler module up front. A name that cannot be resolved raises
-:class:`~durable.exceptions.UnknownHandler`, which fails that timer, not the worker.
+``target``. The decorator registers the function when its module is imported, and the
+worker imports the modules that hold handlers once, at start-up
+(:mod:`durable.discovery`). At fire time a name is only looked up, never imported: a
+row's target is data, and importing whatever it names would let a row run any module's
+import-time code (``unittest.__main__`` runs a test CLI and exits). A name that is not
+registered raises :class:`~durable.exceptions.UnknownHandler`, which fails that timer
+(retried, then dead-lettered), not the worker.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,8 +52,15 @@ def handler_name(fn: Callable[..., Any]) -> str:
     return f"{module}.{qualname}"
 
 
+#: What an unknown name's error says to do about it.
+WHERE_TO_REGISTER = (
+    "is its module an installed app's handlers.py (or workflows.py, crons.py, tasks.py), "
+    "or listed in DURABLE['IMPORTS']?"
+)
+
+
 class HandlerRegistry:
-    """Dotted name → :class:`HandlerSpec`. Thread-safe; importing resolves lazily."""
+    """Dotted name → :class:`HandlerSpec`. Thread-safe; looking up never imports."""
 
     def __init__(self) -> None:
         self._specs: dict[str, HandlerSpec] = {}
@@ -68,26 +77,15 @@ class HandlerRegistry:
         return self._specs.get(name)
 
     def resolve(self, name: str) -> HandlerSpec:
-        """Return the spec for ``name``, importing its module if needed.
+        """Return the spec registered under ``name``; nothing is imported.
 
-        Raises :class:`UnknownHandler` naming the handler when it cannot be found.
+        Raises :class:`UnknownHandler` naming the handler when none is registered.
         """
-        spec = self._specs.get(name)
-        if spec is not None:
-            return spec
-        module_name = name
-        while "." in module_name:
-            module_name = module_name.rsplit(".", 1)[0]
-            try:
-                importlib.import_module(module_name)
-            except ImportError:
-                continue
-            break
         spec = self._specs.get(name)
         if spec is None:
             raise UnknownHandler(
-                f"unknown handler {name!r}: no function decorated with @durable.handler is "
-                "registered under that name (was it renamed, or its module not importable?)",
+                f"unknown handler {name!r}: it is not registered (no @durable.handler "
+                f"function of that name was imported in this process); {WHERE_TO_REGISTER}",
                 handler=name,
             )
         return spec

@@ -8,6 +8,7 @@ PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from types import FunctionType
@@ -241,6 +242,8 @@ class _Planner:
 
 def _resolve(target: Any, name: str) -> HandlerSpec:
     if isinstance(target, str):
+        if handlers.get(target) is None:
+            _import_owner(target)
         try:
             return handlers.resolve(target)
         except UnknownHandler as exc:
@@ -261,3 +264,20 @@ def _resolve(target: Any, name: str) -> HandlerSpec:
             handler=dotted,
         )
     return spec
+
+
+def _import_owner(dotted: str) -> None:
+    """Import the module a dotted handler name lives in (its longest importable prefix).
+
+    Only for names the caller passes to ``schedule()``: that is code, like an import
+    statement, so importing it to find its ``@durable.handler`` is fine. The worker never
+    does this with a row's target; it only looks names up.
+    """
+    module_name = dotted
+    while "." in module_name:
+        module_name = module_name.rsplit(".", 1)[0]
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+        return

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable.core import cron as calendar
 from durable.core.timeutil import ms_to_datetime
+from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerRegistry, HandlerSpec, handlers
+from durable.exceptions import UnknownHandler
 from durable.scheduling.specs import ScheduleSpec, build_spec, settings_specs
 
 if TYPE_CHECKING:
@@ -28,7 +30,17 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 _ONE_MINUTE = timedelta(minutes=1)
 
-__all__ = ["Occurrence", "ScheduleSpec", "cron", "declared", "every", "sync_declared"]
+__all__ = [
+    "Occurrence",
+    "ScheduleSpec",
+    "cron",
+    "declared",
+    "every",
+    "functions",
+    "register_configured",
+    "schedule_function",
+    "sync_declared",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +117,45 @@ class DeclaredSchedules:
 #: Filled by the decorators at import time, like ``admin.site``; read by the sync.
 declared = DeclaredSchedules()
 
+#: The functions schedules run, by dotted path: registered by ``@durable.cron`` and
+#: ``@durable.every`` when their module is imported, and for ``DURABLE["CRONS"]`` by
+#: :func:`register_configured` at the worker's start-up.
+functions = HandlerRegistry()
+
+
+def schedule_function(path: str) -> Callable[[Occurrence], Any]:
+    """The function a schedule row names, looked up, never imported (the path is row data).
+
+    A schedule runs a function registered by ``@durable.cron``/``@durable.every``, by
+    ``DURABLE["CRONS"]``, or by ``@durable.handler`` (what schedules created at run time
+    with :mod:`durable.schedules` name). Anything else raises :class:`UnknownHandler`.
+    """
+    spec = functions.get(path) or handlers.get(path)
+    if spec is None:
+        raise UnknownHandler(
+            f"unknown schedule function {path!r}: it is not registered (declare it with "
+            "@durable.cron or @durable.every, name it in DURABLE['CRONS'], or decorate it "
+            f"with @durable.handler); {WHERE_TO_REGISTER}",
+            handler=path,
+        )
+    return spec.fn  # type: ignore[no-any-return]
+
+
+def register_configured(crons: dict[str, Any] | None = None) -> list[ScheduleSpec]:
+    """Validate ``DURABLE["CRONS"]`` and register each entry's function; return the specs.
+
+    The paths come from settings, which are code: importing them here, at start-up, is
+    what lets the worker run them later by lookup alone.
+    """
+    from django.utils.module_loading import import_string
+
+    from durable.conf import get_settings
+
+    specs = settings_specs(get_settings().CRONS if crons is None else crons)
+    for spec in specs:
+        functions.register(HandlerSpec(name=spec.handler, fn=import_string(spec.handler)))
+    return specs
+
 
 def all_declarations(crons: dict[str, Any] | None = None) -> list[ScheduleSpec]:
     """Decorated schedules (after importing every app's ``crons`` module) and ``CRONS``.
@@ -118,7 +169,7 @@ def all_declarations(crons: dict[str, Any] | None = None) -> list[ScheduleSpec]:
 
     autodiscover_modules("crons")
     code = declared.specs()
-    configured = settings_specs(get_settings().CRONS if crons is None else crons)
+    configured = register_configured(get_settings().CRONS if crons is None else crons)
     names = {spec.name for spec in code}
     for spec in configured:
         if spec.name in names:
@@ -156,6 +207,7 @@ def _declare(fn: Any, options: dict[str, Any]) -> Any:
         **options,
     )
     declared.register(spec)
+    functions.register(HandlerSpec(name=spec.handler, fn=fn))
     return fn
 
 

@@ -32,7 +32,6 @@ from functools import partial
 from typing import Any
 
 from django.db import transaction
-from django.utils.module_loading import import_string
 
 from durable.apps import current_clock
 from durable.conf import get_settings
@@ -49,7 +48,7 @@ from durable.dispatch.kinds import (
 from durable.dispatch.registry import HandlerSpec
 from durable.models import CronSchedule, TimerState
 from durable.scheduling import together
-from durable.scheduling.cron import Occurrence
+from durable.scheduling.cron import Occurrence, schedule_function
 from durable.scheduling.specs import row_spec
 from durable.storage import schedules as store
 
@@ -318,7 +317,7 @@ def _call(
     this failure is recorded on the schedule as usual.
     """
     try:
-        fn = import_string(path)
+        fn = schedule_function(path)  # a lookup: the path is row data, never imported
         if atomic and together:
             try:
                 fn(occurrence)

@@ -24,7 +24,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.utils.module_loading import import_string
 
 import durable
 from durable.apps import current_clock
@@ -34,7 +33,7 @@ from durable.core.sharding import bucket_of
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.exceptions import ScheduleError, TimerError
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
-from durable.scheduling.cron import Occurrence
+from durable.scheduling.cron import Occurrence, schedule_function
 from durable.storage import schedules as schedule_store
 from durable.storage import timers as timer_store
 
@@ -214,7 +213,7 @@ def _call(db: str, row: CronSchedule, now_ms: int, *, atomic: bool) -> tuple[str
     """Call the schedule's function; return ``(status, sanitized error)``, never raise."""
     occurrence = Occurrence.build(row.name, row.timezone, now_ms, now_ms, catch_up=False, missed=0)
     try:
-        fn = import_string(row.handler)
+        fn = schedule_function(row.handler)  # a lookup: row data is never imported
         if atomic:
             with transaction.atomic(using=db):  # a failure undoes only the handler's writes
                 fn(occurrence)

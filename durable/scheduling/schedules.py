@@ -16,6 +16,7 @@ follow the schedule's ``catch_up`` policy. A rolled-back change leaves nothing b
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -33,6 +34,7 @@ from durable.scheduling.specs import (
     ScheduleSpec,
     apply_spec,
     build_spec,
+    handler_path,
     row_spec,
 )
 from durable.storage import schedules as store
@@ -128,7 +130,14 @@ def update(
         if "every" in given and given["every"] is not None:
             options.update(cron=None, tz="UTC")
         options.update(given)
-        spec = build_spec(name=name, source=row.source, **options)
+        # The stored path is row data: kept as it is, never imported. A new handler is
+        # the caller's and is checked like create()'s.
+        new_handler = options.pop("handler")
+        spec = build_spec(name=name, source=row.source, handler=None, **options)
+        path = current.handler
+        if "handler" in given:
+            path = handler_path(new_handler, name, registered=True)
+        spec = dataclasses.replace(spec, handler=path)
         reschedule(db, row, spec, now)
     return row
 

@@ -16,7 +16,7 @@ from typing import Any
 from durable.core import cron as calendar
 from durable.core.catchup import CATCH_UP_POLICIES, OVERLAP_POLICIES, Policy
 from durable.core.timeutil import ceil_ms, datetime_to_ms
-from durable.exceptions import ScheduleError
+from durable.exceptions import ScheduleError, UnknownHandler
 
 MAX_NAME_LENGTH = 200
 SETTINGS_KEYS = frozenset(
@@ -98,14 +98,17 @@ def build_spec(
     """Validate one schedule's arguments and return its :class:`ScheduleSpec`.
 
     ``handler`` is a module-level function or its dotted path (``None`` checks the other
-    arguments only, as the decorators do before they see the function).
+    arguments only, as the decorators do before they see the function). A run-time
+    schedule (``source="api"``) must name a function the worker has registered
+    (see :func:`handler_path`).
     """
     _check_name(name)
+    api = source == "api"
     kind, expression, interval_ms, anchor_ms = _calendar(name, cron, every, anchor)
     _check_options(name, tz, catch_up, overlap, grace, atomic)
     return ScheduleSpec(
         name=name,
-        handler=handler_path(handler, name) if handler is not None else "",
+        handler="" if handler is None else handler_path(handler, name, registered=api),
         kind=kind,
         expression=expression,
         interval_ms=interval_ms,
@@ -202,11 +205,15 @@ def _calendar(name: str, cron: Any, every: Any, anchor: Any) -> tuple[str, str, 
     return "interval", "", every // timedelta(milliseconds=1), anchor_ms
 
 
-def handler_path(handler: Any, name: str = "") -> str:
+def handler_path(handler: Any, name: str = "", *, registered: bool = False) -> str:
     """Return the dotted path of a schedule's function, checking it can be called by it.
 
     The function must be a module-level, synchronous function that accepts one positional
     argument (the :class:`Occurrence`); a dotted path must import to such a function.
+    The path comes from code (a decorator, ``CRONS``, a caller of ``durable.schedules``),
+    never from a row, so importing it is fine. With ``registered``, the function must
+    also be one the worker can find by name: declared with ``@durable.cron`` or
+    ``@durable.every``, named in ``CRONS``, or decorated with ``@durable.handler``.
     """
     where = f"schedule {name!r}: " if name else ""
     fn = _import(handler, where) if isinstance(handler, str) else handler
@@ -236,7 +243,18 @@ def handler_path(handler: Any, name: str = "") -> str:
             name,
             "handler",
         ) from None
+    if registered:
+        _check_registered(handler if isinstance(handler, str) else path, where, name)
     return handler if isinstance(handler, str) else path
+
+
+def _check_registered(path: str, where: str, name: str) -> None:
+    from durable.scheduling.cron import schedule_function
+
+    try:
+        schedule_function(path)
+    except UnknownHandler as exc:
+        raise _fail(f"{where}handler: {exc}", "durable.E016", name, "handler") from None
 
 
 def _import(path: str, where: str) -> Any:

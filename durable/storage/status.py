@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import connections
 from django.db.models import Count
 
 from durable.models import ShardLease, Timer, TimerState, WorkerNode, WorkflowRun
@@ -41,11 +42,11 @@ def pending_by_shard(db: str) -> dict[int, int]:
     return dict(rows)
 
 
-def shards(db: str, now_ms: int) -> list[ShardStatus]:
-    """Every shard with its owner, token and lag (now - cursor) when owned."""
+def shards(db: str, now_ms: int, first: int = 0) -> list[ShardStatus]:
+    """Every shard from ``first`` on with its owner, token and lag (now - cursor) when owned."""
     now = ms_to_dt(now_ms)
     out = []
-    for lease in ShardLease.objects.using(db).order_by("shard"):
+    for lease in ShardLease.objects.using(db).filter(shard__gte=first).order_by("shard"):
         live = bool(lease.owner) and lease.expires_at is not None and lease.expires_at > now
         lag = now_ms - lease.cursor_ms if live and lease.cursor_ms else None
         out.append(
@@ -110,3 +111,49 @@ def workflow_runs_by_state(db: str) -> dict[str, int]:
     """Workflow runs per state (grouped over the state index)."""
     rows = WorkflowRun.objects.using(db).values("state").annotate(n=Count("pk"))
     return dict(rows.values_list("state", "n"))
+
+
+@dataclass(frozen=True, slots=True)
+class OrphanedShard:
+    """A shard at or above ``SHARDS`` that still holds work no worker will run."""
+
+    shard: int
+    pending: int = 0
+    firing: int = 0
+    runs: int = 0
+
+
+def tables_exist(db: str) -> bool:
+    """Whether the tables :func:`orphaned_shards` reads exist (no: not migrated yet)."""
+    conn = connections[db]
+    with conn.cursor() as cursor:
+        names = set(conn.introspection.table_names(cursor))
+    return {m._meta.db_table for m in (Timer, WorkflowRun, ShardLease)} <= names
+
+
+def orphaned_shards(db: str, shard_count: int) -> list[OrphanedShard]:
+    """Shards ``>= shard_count`` holding pending or firing timers or unfinished runs.
+
+    Three grouped counts: pending and firing timers each through their partial index
+    (shard is its first column), unfinished runs through the state index.
+    """
+    found: dict[int, dict[str, int]] = {}
+    timers = Timer.objects.using(db).filter(shard__gte=shard_count)
+    for state, name in ((TimerState.PENDING, "pending"), (TimerState.FIRING, "firing")):
+        rows = timers.filter(state=state).values("shard").annotate(n=Count("id"))
+        for shard, n in rows.values_list("shard", "n"):
+            found.setdefault(shard, {})[name] = n
+    runs = (
+        WorkflowRun.objects.using(db)
+        .filter(state__in=WorkflowRun.ACTIVE_STATES, shard__gte=shard_count)
+        .values("shard")
+        .annotate(n=Count("pk"))
+    )
+    for shard, n in runs.values_list("shard", "n"):
+        found.setdefault(shard, {})["runs"] = n
+    return [OrphanedShard(shard, **counts) for shard, counts in sorted(found.items())]
+
+
+def leases_beyond(db: str, shard_count: int, now_ms: int) -> list[ShardStatus]:
+    """Lease rows of shards ``>= shard_count`` (left by a larger ``SHARDS``)."""
+    return shards(db, now_ms, first=shard_count)

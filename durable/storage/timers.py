@@ -320,12 +320,10 @@ def create_followup(
 
 def _policy(name: str) -> tuple[int, float, float]:
     conf = get_settings()
-    try:
-        spec = handlers.resolve(name)
-    except Exception:  # UnknownHandler, or its module fails to import
-        # Still write the follow-up: firing it fails visibly (dead letter, with the
-        # reason), which beats losing the completion of the timer that did run.
-        spec = None
+    # A lookup, never an import (the name is row data). An unknown name still gets its
+    # follow-up: firing it fails visibly (dead letter, with the reason), which beats
+    # losing the completion of the timer that did run.
+    spec = handlers.get(name)
     backoff = spec.backoff if spec else None
     return (
         (spec.max_attempts if spec else None) or conf.MAX_ATTEMPTS,

@@ -35,6 +35,7 @@ from django.db.backends.signals import connection_created
 
 from durable.conf import DurableSettings, get_settings
 from durable.core.clock import Clock, SystemClock
+from durable.discovery import discover
 from durable.dispatch import kinds
 from durable.dispatch.executors import EmbeddedExecutor
 from durable.dispatch.registry import HandlerRegistry, handlers
@@ -137,7 +138,10 @@ class Engine:
     # -- life cycle ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Register this node and create missing lease rows."""
+        """Import what registers handlers, register this node, create missing lease rows."""
+        # Before anything fires: at fire time names are only looked up, never imported.
+        modules = discover(self.conf)
+        event(log, logging.INFO, "worker.discovered", node=self.node, modules=",".join(modules))
         self._measure_offset()
         if self.embedded is not None:
             self.embedded.start()

@@ -17,7 +17,6 @@ must be saved, the run id well formed.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import threading
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from django.db import models
 
 from durable.conf import get_settings
 from durable.core.backoff import Backoff
+from durable.dispatch.registry import WHERE_TO_REGISTER
 from durable.exceptions import UnknownWorkflow
 from durable.scheduling.validation import check_max_attempts, to_backoff
 from durable.workflows.records import StepPolicy
@@ -304,7 +304,7 @@ def _dotted(obj: Any) -> str:
 
 
 class WorkflowRegistry:
-    """Registered name → :class:`WorkflowDef`. Thread-safe; resolving imports lazily."""
+    """Registered name → :class:`WorkflowDef`. Thread-safe; looking up never imports."""
 
     def __init__(self) -> None:
         self._defs: dict[str, WorkflowDef] = {}
@@ -321,30 +321,19 @@ class WorkflowRegistry:
         return self._defs.get(name)
 
     def resolve(self, name: str) -> WorkflowDef:
-        """The definition for ``name``, importing its module if needed.
+        """The definition registered under ``name``; nothing is imported.
 
-        Raises :class:`UnknownWorkflow` naming the workflow (and the import error, if
-        its module failed to import) when there is none.
+        A run's name is row data: importing what it names would run that module's
+        import-time code. Workflows are registered when their modules are imported at
+        start-up (:mod:`durable.discovery`). Raises :class:`UnknownWorkflow` naming the
+        workflow when there is none.
         """
-        found = self._defs.get(name)
-        if found is not None:
-            return found
-        problem = ""
-        module_name = name
-        while "." in module_name:
-            module_name = module_name.rsplit(".", 1)[0]
-            try:
-                importlib.import_module(module_name)
-            except ModuleNotFoundError:
-                continue
-            except Exception as exc:  # the module exists and is broken: say so
-                problem = f"; importing {module_name} failed: {type(exc).__name__}: {exc}"
-            break
         found = self._defs.get(name)
         if found is None:
             raise UnknownWorkflow(
-                f"unknown workflow {name!r}: no @durable.workflow is registered under "
-                f"that name (was it renamed or removed?){problem}",
+                f"unknown workflow {name!r}: it is not registered (no @durable.workflow or "
+                "Workflow subclass of that name was imported in this process: renamed or "
+                f"removed?); {WHERE_TO_REGISTER}",
                 workflow=name,
             )
         return found

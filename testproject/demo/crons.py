@@ -3,7 +3,8 @@
 Nothing here is declared with ``@durable.cron``: this module is auto-imported (every
 app's ``crons`` module is), and a declared schedule would be synced into every test
 database a worker starts on. Tests create schedules with ``durable.schedules.create``
-or pass declarations to ``sync_declared`` explicitly.
+or pass declarations to ``sync_declared`` explicitly; ``@durable.handler`` registers the
+functions, so that schedules created at run time may name them.
 
 A record's key is ``<schedule>:<scheduled_ms>`` plus ``:catch_up`` for catch-up runs;
 ``due_at_ms`` is the occurrence, so counting rows per ``due_at_ms`` finds duplicates.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import durable
 from durable.apps import current_clock
 from durable.core.timeutil import datetime_to_ms
 from durable.scheduling.cron import Occurrence
@@ -24,6 +26,7 @@ def _key(occurrence: Occurrence) -> str:
     return f"{occurrence.schedule}:{occurrence.scheduled_ms}{suffix}"
 
 
+@durable.handler
 def record(occurrence: Occurrence) -> None:
     """Write one row for the occurrence (atomic schedules: exactly once)."""
     FireRecord.objects.create(
@@ -33,12 +36,14 @@ def record(occurrence: Occurrence) -> None:
     )
 
 
+@durable.handler
 def fail(occurrence: Occurrence) -> None:
     """Write a row, then raise: the row rolls back and the error is recorded."""
     record(occurrence)
     raise RuntimeError(f"planned failure in /srv/app/secret/jobs.py at {occurrence.scheduled_ms}")
 
 
+@durable.handler
 def slow(occurrence: Occurrence) -> None:
     """Record, then take ``<n>`` ms, ``n`` being the end of the schedule's name (``x-2500``).
 

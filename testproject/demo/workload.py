@@ -48,6 +48,7 @@ def after(timer_id: int, context: object, result: dict) -> None:
     _say(f"on_complete of #{timer_id}: {result['status']}")
 
 
+@durable.handler  # registered: the demo creates its schedule at run time
 def heartbeat(occurrence: durable.Occurrence) -> None:
     """An interval schedule's function: once per occurrence, however many workers run."""
     late = int(time.time() * 1000) - occurrence.scheduled_ms

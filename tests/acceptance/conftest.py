@@ -16,6 +16,7 @@ from django.db import connection
 
 from durable.testing.cluster import TemporaryCluster, unavailable_reason
 from tests.acceptance.helpers import (
+    BATCH_TIME_BUDGET_S,
     LEASE_TTL_S,
     RESCAN_INTERVAL_S,
     SHARDS,
@@ -32,6 +33,7 @@ def durable_settings(settings):
         "SHARDS": SHARDS,
         "LEASE_TTL_S": LEASE_TTL_S,
         "RESCAN_INTERVAL_S": RESCAN_INTERVAL_S,
+        "BATCH_TIME_BUDGET_S": BATCH_TIME_BUDGET_S,
     }
     return settings
 

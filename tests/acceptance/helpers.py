@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARDS = 64
 LEASE_TTL_S = 2.0
 RESCAN_INTERVAL_S = 0.5
+BATCH_TIME_BUDGET_S = 1.0  # below LEASE_TTL_S, or the workers refuse to start (durable.E005)
 LOG_TAIL_LINES = 60
 
 
@@ -124,7 +125,10 @@ class WorkerPool:
             "DURABLE_SHARDS": str(SHARDS),
             "DURABLE_LEASE_TTL_S": str(LEASE_TTL_S),
             "DURABLE_RESCAN_INTERVAL_S": str(RESCAN_INTERVAL_S),
+            "DURABLE_BATCH_TIME_BUDGET_S": str(BATCH_TIME_BUDGET_S),
             "DURABLE_LOG_LEVEL": "INFO",
+            # The handlers and workflows these tests fire live under tests/, not in an app.
+            "DURABLE_IMPORTS": "tests.acceptance.handlers,tests.acceptance.workflows",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

@@ -6,6 +6,7 @@ Decorated with whichever Tasks API is installed: ``django.tasks`` (Django 6) or 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from durable.dispatch.context import current_fire
@@ -30,9 +31,9 @@ def add(a: int, b: int, *, key: str = "add") -> int:
     return a + b
 
 
-@task(priority=10, queue_name="emails")
+@task(queue_name="emails")
 def send_email(to: str) -> dict[str, Any]:
-    """A prioritised task on its own queue."""
+    """A task on its own queue."""
     _record(f"email:{to}")
     return {"sent": to}
 
@@ -42,6 +43,23 @@ def explode(message: str) -> None:
     """Always fails."""
     _record(f"explode:{message}")
     raise ValueError(message)
+
+
+@task
+def deep(levels: int) -> None:
+    """Raises from ``levels`` calls down: a traceback longer than durable keeps."""
+    _record(f"deep:{levels}")
+    _down(levels)
+
+
+def _down(levels: int) -> None:
+    if levels <= 0:
+        raise ValueError("at the bottom")
+    _down_again(levels - 1)  # alternating frames: Python folds only identical ones
+
+
+def _down_again(levels: int) -> None:
+    _down(levels - 1)
 
 
 @task
@@ -76,3 +94,39 @@ def not_json(key: str) -> object:
     """Returns something that is not JSON: the run is recorded as a failure."""
     _record(key)
     return object()
+
+
+class Halt(BaseException):
+    """A BaseException of the application's own, like ``SystemExit`` not an ``Exception``."""
+
+
+_BASE_EXCEPTIONS = {"exit": SystemExit(3), "interrupt": KeyboardInterrupt(), "halt": Halt()}
+
+
+@task
+def halts(kind: str) -> None:
+    """Raises a BaseException that is not an Exception: ``exit``, ``interrupt`` or ``halt``."""
+    _record(f"halt:{kind}")
+    raise _BASE_EXCEPTIONS[kind]
+
+
+#: Set by ``watch_itself`` once it has read its own result; the test then reads it too.
+STARTED = threading.Event()
+#: Set by the test to let ``watch_itself`` return.
+RELEASE = threading.Event()
+
+
+@task(takes_context=True)
+def watch_itself(context: Any, key: str) -> dict[str, Any]:
+    """Read its own result through the backend while running, wait for the test, return it."""
+    _record(key)
+    seen = watch_itself.get_result(context.task_result.id)
+    STARTED.set()
+    assert RELEASE.wait(10), "the test never released the task"
+    return {
+        "status": str(seen.status),
+        "started_at": seen.started_at and seen.started_at.isoformat(),
+        "last_attempted_at": seen.last_attempted_at and seen.last_attempted_at.isoformat(),
+        "attempts": seen.attempts,
+        "worker_ids": seen.worker_ids,
+    }

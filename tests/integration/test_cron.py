@@ -109,6 +109,7 @@ def test_each_occurrence_fires_once_on_time_and_chains_the_next(engine, clock):
 SEEN = []
 
 
+@durable.handler  # registered: what a schedule created at run time may name
 def remember(occurrence):
     SEEN.append(occurrence)
 

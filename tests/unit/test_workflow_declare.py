@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import durable
@@ -111,13 +113,15 @@ def test_start_checks_everything_before_writing():
             plain.start(1, run_id=bad)
 
 
-def test_an_unknown_or_broken_workflow_is_a_clear_error(tmp_path, monkeypatch):
+def test_an_unknown_workflow_is_a_clear_error_and_nothing_is_imported(tmp_path, monkeypatch):
     with pytest.raises(UnknownWorkflow, match=r"unknown workflow 'nowhere\.gone'.*renamed"):
         workflows.resolve("nowhere.gone")
-    (tmp_path / "wf_broken_module.py").write_text("raise RuntimeError('broken on purpose')\n")
+    # A run's name is row data: resolving it must not import the module it names.
+    (tmp_path / "wf_unimported_module.py").write_text("raise RuntimeError('imported!')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(UnknownWorkflow, match=r"importing wf_broken_module failed: RuntimeErr"):
-        workflows.resolve("wf_broken_module.flow")
+    with pytest.raises(UnknownWorkflow, match=r"not registered.*DURABLE\['IMPORTS'\]"):
+        workflows.resolve("wf_unimported_module.flow")
+    assert "wf_unimported_module" not in sys.modules
 
 
 def test_a_bound_workflow_knows_its_row():

@@ -14,8 +14,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from durable.checks import run_worker_checks
 from durable.conf import get_settings
 from durable.core.clock import SystemClock
+from durable.discovery import discover
 from durable.dispatch import kinds
 from durable.dispatch.executors import EmbeddedExecutor
 from durable.storage.leases import database_now_ms
@@ -25,9 +27,17 @@ class Command(BaseCommand):
     """``run_durable_executor [--threads N] [--broker URL] [--duration S]``."""
 
     help = "Run the handlers that run_timer_shards ships through kombu (DISPATCH = 'kombu')."
+    # Checks run in handle() instead (as migrate does), so they can be given the database:
+    # Django's default ("__all__") runs them without one, which skips the shard checks.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: Any) -> None:
         """Declare the options."""
+        parser.add_argument(
+            "--skip-checks",
+            action="store_true",
+            help="skip the project's system checks (durable's own checks always run)",
+        )
         parser.add_argument(
             "--threads", type=int, default=4, help="handlers run at once (one consumer each)"
         )
@@ -39,7 +49,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        """Consume shipments until SIGTERM/SIGINT (or ``--duration``), then stop cleanly."""
+        """Consume shipments until SIGTERM/SIGINT (or ``--duration``), then stop cleanly.
+
+        Refuses to start (``SystemCheckError``, listing every problem) on bad settings.
+        An executor owns no shards, so orphaned shards do not stop it.
+        """
+        run_worker_checks(self, everything=not options["skip_checks"], shards=False)
         conf = get_settings()
         url = options["broker"] or conf.BROKER_URL
         if options["threads"] < 1:
@@ -49,6 +64,7 @@ class Command(BaseCommand):
                 "the memory:// broker only reaches consumers in the worker's own process; "
                 'set DURABLE["BROKER_URL"] (or --broker) to RabbitMQ or Redis'
             )
+        discover(conf)  # what registers the handlers: shipped names are only looked up
         clock = SystemClock()
         # Like the worker, stamp completions and retries by the database's clock.
         db_now = database_now_ms(conf.DATABASE)

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from durable.checks import run_worker_checks
 from durable.conf import get_settings
 from durable.worker.engine import Engine
 
@@ -30,8 +31,16 @@ def parse_shards(spec: str, total: int) -> list[int]:
 
 class Command(BaseCommand):
     help = "Own shard leases and fire durable timers (one per node; SIGTERM stops cleanly)."
+    # Checks run in handle() instead (as migrate does), so they can be given the database:
+    # Django's default ("__all__") runs them without one, which skips the shard checks.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--skip-checks",
+            action="store_true",
+            help="skip the project's system checks (durable's own checks always run)",
+        )
         parser.add_argument(
             "--node",
             default=os.environ.get("DURABLE_NODE"),
@@ -59,6 +68,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        """Run the worker until SIGTERM/SIGINT (or ``--duration``).
+
+        Refuses to start (``SystemCheckError``, listing every problem) on bad settings or
+        orphaned shards: durable's checks run first, whatever ``--skip-checks`` says.
+        """
+        run_worker_checks(self, everything=not options["skip_checks"], shards=True)
         conf = get_settings()
         scope = None
         if options["shards"]:
