@@ -51,11 +51,13 @@ class DurableSettings:
     """An external (non-atomic) fire not completed in this long is run again (on a live
     owner; a new owner re-runs the old owner's claims at once)."""
     ATOMIC_TIMEOUT_S: float = 5.0
-    """An atomic handler running longer is interrupted and its attempt fails (it holds
-    its batch and the worker's loop: keep it below ``LEASE_TTL_S``)."""
+    """An atomic handler running longer is interrupted and its attempt fails. It holds its
+    batch and the worker's loop, so the deadline is never more than half of
+    ``LEASE_TTL_S``, whatever this or a handler's ``timeout=`` says."""
     HANDLER_TIMEOUT_S: float = 240.0
-    """An external handler or task running longer is abandoned and its attempt fails
-    (below ``CLAIM_TIMEOUT_S``, so it is never run twice at once)."""
+    """An external handler or task running longer is abandoned and its attempt fails. Never
+    more than ``CLAIM_TIMEOUT_S``, whatever this or a handler's ``timeout=`` says, so it is
+    never run twice at once."""
     SHUTDOWN_GRACE_S: float = 30.0
     """On SIGTERM, how long the worker waits for running handlers before it exits."""
     MAX_ATTEMPTS: int = 5
@@ -214,6 +216,10 @@ RULES: dict[str, Rule] = {
     "BATCH_SIZE": Rule(Integer(1)),
     "BATCH_TIME_BUDGET_S": Rule(Number(0, YEAR_S, above=True)),
     "CLAIM_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    # Capped at run time (by LEASE_TTL_S / 2 and CLAIM_TIMEOUT_S): no relation needed.
+    "ATOMIC_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    "HANDLER_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    "SHUTDOWN_GRACE_S": Rule(Number(0, YEAR_S)),
     # Timer.max_attempts is a 32-bit integer column.
     "MAX_ATTEMPTS": Rule(Integer(1, 2_147_483_647)),
     "BACKOFF_BASE_S": Rule(Number(0, YEAR_S, above=True)),

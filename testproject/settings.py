@@ -99,6 +99,7 @@ DURABLE = {
     # fire handlers kept under tests/, which is not an app.
     "IMPORTS": [
         "testproject.demo.probes",
+        "testproject.demo.poison",
         "testproject.demo.workload",
         *env.list("DURABLE_IMPORTS", default=[]),
     ],

@@ -185,8 +185,12 @@ class ExternalRunner:
         return max(0, self.pool.size - self.in_flight)
 
     def timeout_s(self, spec: HandlerSpec) -> float:
-        """The handler's deadline: its own ``timeout``, else ``HANDLER_TIMEOUT_S``."""
-        return spec.timeout if spec.timeout is not None else self.conf.HANDLER_TIMEOUT_S
+        """The handler's deadline: its own ``timeout``, else ``HANDLER_TIMEOUT_S``; never
+        past ``CLAIM_TIMEOUT_S``, after which its claim would run it again."""
+        if spec.timeout == math.inf:
+            return math.inf  # no deadline (workflow replays: the claim covers them)
+        timeout = spec.timeout if spec.timeout is not None else self.conf.HANDLER_TIMEOUT_S
+        return min(timeout, self.conf.CLAIM_TIMEOUT_S)
 
     def submit(self, shard: int, token: int, timer: store.DueTimer, spec: HandlerSpec) -> None:
         """Run one claimed timer (its claim committed) on a pool thread."""

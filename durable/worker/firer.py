@@ -323,6 +323,7 @@ class Firer:
             return True
         ctx = _context(timer, now_ms, token, self.metrics)
         timeout = spec.timeout if spec.timeout is not None else self.conf.ATOMIC_TIMEOUT_S
+        timeout = min(timeout, self.conf.LEASE_TTL_S / 2)  # it holds the loop: keep leases
         if failed is None:
             try:
                 with firing(ctx), self.deadlines.limit(timeout):
