@@ -58,6 +58,10 @@ class DurableSettings:
     """An external handler or task running longer is abandoned and its attempt fails. Never
     more than ``CLAIM_TIMEOUT_S``, whatever this or a handler's ``timeout=`` says, so it is
     never run twice at once."""
+    ASYNC_COMMIT: bool = False
+    """Opt-in speed: workflow checkpoints and batches that only claim commit asynchronously
+    on PostgreSQL. A database crash can then take back their last moments (see the
+    settings reference for what that risks)."""
     SHUTDOWN_GRACE_S: float = 30.0
     """On SIGTERM, how long the worker waits for running handlers before it exits."""
     MAX_ATTEMPTS: int = 5
@@ -219,6 +223,7 @@ RULES: dict[str, Rule] = {
     # Capped at run time (by LEASE_TTL_S / 2 and CLAIM_TIMEOUT_S): no relation needed.
     "ATOMIC_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
     "HANDLER_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    "ASYNC_COMMIT": Rule(Predicate(lambda v: isinstance(v, bool), "True or False")),
     "SHUTDOWN_GRACE_S": Rule(Number(0, YEAR_S)),
     # Timer.max_attempts is a 32-bit integer column.
     "MAX_ATTEMPTS": Rule(Integer(1, 2_147_483_647)),

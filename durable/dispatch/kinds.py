@@ -47,8 +47,8 @@ class FiringBatch:
     firer does not claim them again."""
     only_claims: bool = False
     """Set by the firer after the handlers ran, before the scopes exit: the batch fired
-    nothing in its transaction, so its claims may commit asynchronously (see
-    :func:`durable.storage.firing.claim`)."""
+    nothing in its transaction and ``ASYNC_COMMIT`` is on, so its claims may commit
+    asynchronously (see :func:`durable.storage.firing.claim`)."""
 
 
 Resolver = Callable[[str], HandlerSpec]

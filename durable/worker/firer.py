@@ -283,8 +283,11 @@ class Firer:
                         if self._run_one(timer, now_ms, tokens[timer.shard], failed, out, free):
                             batch.sent.add(timer.id)
                             free -= 1
-                # A batch that only claimed commits asynchronously (see store.claim).
-                batch.only_claims = not any(o.fired or o.errors for o in outcomes.values())
+                # With ASYNC_COMMIT, a batch that only claimed commits asynchronously
+                # (see store.claim); by default every batch commits synchronously.
+                batch.only_claims = self.conf.ASYNC_COMMIT and not any(
+                    o.fired or o.errors for o in outcomes.values()
+                )
             self._record(runners, outcomes, batch, counted)
         return outcomes, announced
 
