@@ -191,3 +191,27 @@ def test_a_failed_shipment_is_a_failed_attempt_retried_later(clock, settings):
         assert row.fire_at_ms > timer.fire_at_ms and keys() == []
     finally:
         engine.shutdown(wait_s=5)
+
+
+def test_an_error_the_bookkeeping_meets_every_time_is_recorded_not_requeued(consumer, clock):
+    # A retry time that does not fit the column: recording the failure fails the same
+    # way each time. The message must not loop through the queue (it was requeued
+    # forever, hundreds of times a second); the timer is dead-lettered with the error.
+    timer = durable.schedule(probes.fail_until, args=["bk", 9])
+    Timer.objects.filter(pk=timer.pk).update(backoff_base_s=1e300, backoff_max_s=1e300)
+    claim_and_ship(timer, clock)
+    assert consumer.drain() == 1
+    assert consumer.drain() == 0, "the message came back"
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.state == "failed"
+    assert row.last_error.startswith("executing it failed outside its handler:")
+
+
+def test_a_base_exception_in_an_executed_handler_fails_the_attempt(consumer, clock):
+    from testproject.demo import poison
+
+    timer = durable.schedule(poison.external_poison, args=["SystemExit"])
+    claim_and_ship(timer, clock)
+    assert consumer.drain() == 1 and consumer.outcomes[RETRY] == 1
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.state == "pending" and "HandlerAborted" in row.last_error
