@@ -42,6 +42,16 @@ class HandlerAborted(TimerError):
     exception is chained as ``__cause__``.
     """
 
+    @classmethod
+    def contain(cls, exc: BaseException) -> Exception:
+        """``exc`` if it is an ``Exception``, else a ``HandlerAborted`` chained to it: what
+        a handler raised, made something that fails an attempt and not the worker."""
+        if isinstance(exc, Exception):
+            return exc
+        aborted = cls(f"the handler raised {type(exc).__name__}: {exc}")
+        aborted.__cause__ = exc
+        return aborted
+
 
 # Also a ValueError, so code that already catches bad values handles it. Attributes:
 # ``path`` names the offending part (``args[1]['when']``); ``size`` and ``limit`` are set

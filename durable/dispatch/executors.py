@@ -143,7 +143,7 @@ def _execute_atomic(db: str, clock: Clock, shipment: Shipment, spec: HandlerSpec
             with transaction.atomic(using=db), firing(_context(timer, shipment, clock)):
                 value = spec.fn(*timer.args, **timer.kwargs)
         except BaseException as exc:  # its savepoint rolled its own effects back
-            error = _contained(exc)
+            error = HandlerAborted.contain(exc)
         return _settle(db, clock, shipment, timer, value, error)
 
 
@@ -156,7 +156,7 @@ def _execute_external(
         with firing(_context(timer, shipment, clock)):
             value = spec.fn(*timer.args, **timer.kwargs)
     except BaseException as exc:  # SystemExit and the like fail the attempt, not the process
-        error = _contained(exc)
+        error = HandlerAborted.contain(exc)
     with transaction.atomic(using=db):
         locked = _claimed(db, shipment, lock=True)
         if locked is None:
@@ -202,14 +202,6 @@ def _settle(
     _log(logging.ERROR, "timer.dead_letter", timer=timer.pk, target=timer.target, error=text)
     create_followup(timer, {"status": "failed", "error": text}, now_ms, using=db)
     return FAILED
-
-
-def _contained(exc: BaseException) -> BaseException:
-    if isinstance(exc, Exception):
-        return exc
-    aborted = HandlerAborted(f"the handler raised {type(exc).__name__}: {exc}")
-    aborted.__cause__ = exc
-    return aborted
 
 
 def record_failure(db: str, clock: Clock, shipment: Shipment, error: BaseException) -> str:

@@ -45,11 +45,13 @@ from durable.storage import claims
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
 from durable.worker import housekeeping
+from durable.worker.batches import BatchOutcome, pack
 from durable.worker.external import HandlerPool
-from durable.worker.firer import BatchOutcome, Firer, Readd, pack
+from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
 from durable.worker.logs import event
+from durable.worker.outcomes import Readd
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")

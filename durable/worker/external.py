@@ -34,12 +34,12 @@ from durable.core.clock import Clock
 from durable.dispatch import executors
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec
-from durable.exceptions import HandlerTimeout, LeaseLost
+from durable.exceptions import HandlerAborted, HandlerTimeout, LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
 from durable.storage.leases import fence
 from durable.worker.logs import event
-from durable.worker.outcomes import Outcomes, Readd, contained, json_value
+from durable.worker.outcomes import Outcomes, Readd, json_value
 
 log = logging.getLogger("durable.worker")
 
@@ -231,7 +231,7 @@ class ExternalRunner:
         except Exception as exc:
             error = exc
         except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this attempt fails
-            error = contained(exc)
+            error = HandlerAborted.contain(exc)
         if not self._finish(entry):
             return  # abandoned meanwhile: reap() recorded the attempt
         if error is None and ctx.completed and not timer.on_complete:

@@ -35,37 +35,32 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError, transaction
 
 from durable.conf import DurableSettings
 from durable.core.clock import Clock
-from durable.core.errors import sanitize_error
 from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
-from durable.exceptions import AttemptsExhausted, LeaseLost
+from durable.exceptions import AttemptsExhausted, HandlerAborted
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
-from durable.storage.leases import fence
 from durable.storage.notify import Announced, collecting
+from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.deadline import Deadlines
 from durable.worker.external import ExternalRunner, HandlerPool
 from durable.worker.logs import event
-from durable.worker.outcomes import Outcomes, Readd, contained, json_value
+from durable.worker.outcomes import Outcomes, Readd, json_value
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
-__all__ = ["BatchOutcome", "Firer", "Readd", "pack"]
-
-#: One batch of work: owned shards' runners, each with some of its due ids.
-Work = Sequence[tuple[ShardRunner, Sequence[int]]]
+__all__ = ["Firer"]
 
 
 class _Rollback(Exception):
@@ -83,21 +78,6 @@ class _Fenced(Exception):
     def __init__(self, stale: dict[int, int | None]) -> None:
         super().__init__(stale)
         self.stale = stale
-
-
-@dataclass(slots=True)
-class BatchOutcome:
-    """What one batch did in one shard; the engine turns it into metrics and wheel updates."""
-
-    fired: list[tuple[store.DueTimer, Any]] = field(default_factory=list)
-    errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
-    external: list[tuple[store.DueTimer, HandlerSpec]] = field(default_factory=list)
-    leftover: list[store.DueTimer] = field(default_factory=list)
-    """Due timers the batch did not run (time budget, no free thread): back to the wheel."""
-    readd: list[Readd] = field(default_factory=list)
-    lateness_ms: list[int] = field(default_factory=list)
-    lost: str = ""
-    """Why the shard's lease was found lost (nothing fired), or empty."""
 
 
 class Firer:
@@ -334,7 +314,7 @@ class Firer:
             except kinds.RedoCarefully:
                 raise
             except BaseException as exc:  # any failure is this timer's: redo carefully
-                raise _Rollback(timer.id, contained(exc)) from exc
+                raise _Rollback(timer.id, HandlerAborted.contain(exc)) from exc
             return False
         if timer.id in failed:
             out.errors.append((timer, failed[timer.id]))
@@ -343,7 +323,7 @@ class Firer:
             with transaction.atomic(using=self.db), firing(ctx), self.deadlines.limit(timeout):
                 out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
         except BaseException as exc:  # its savepoint rolled its own effects back
-            out.errors.append((timer, contained(exc)))
+            out.errors.append((timer, HandlerAborted.contain(exc)))
         return False
 
     def _record(
@@ -403,32 +383,11 @@ class Firer:
                 self.outcomes.log_error(timer, timer.attempts, exc, count=False)
 
     def _give_up(self, runner: ShardRunner, timer_id: int, exc: Exception) -> None:
-        """Dead-letter a timer whose firing failed alone on a database error of its own
-        (a value its bookkeeping cannot store, say); if even that fails, set it aside."""
-        error = f"firing it failed outside its handler: {sanitize_error(exc)}"
-        try:
-            with transaction.atomic(using=self.db):
-                fence(self.db, runner.shard, runner.token)
-                done = claims.dead_letter(
-                    self.db, timer_id, runner.token, self.clock.now_ms(), error
-                )
-        except LeaseLost:
-            return
-        except DatabaseError as again:
-            done = False
-            error = f"{error}; dead-lettering it failed too: {sanitize_error(again)}"
-        if self.metrics is not None:
-            self.metrics.on_dead_letter(runner.shard)
-        if not done:
+        """Dead-letter a timer whose firing failed alone on an error of its own; if even
+        that fails, set it aside for this process's life."""
+        now_ms = self.clock.now_ms()
+        if not self.outcomes.give_up(runner.shard, runner.token, timer_id, exc, now_ms):
             self.quarantined.add(timer_id)
-        event(
-            log,
-            logging.ERROR,
-            "timer.dead_letter" if done else "timer.quarantined",
-            timer=timer_id,
-            shard=runner.shard,
-            error=error,
-        )
 
     def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
         try:
@@ -436,40 +395,6 @@ class Firer:
         except KeyError:
             raise LookupError(f"no dispatcher for timer kind {timer.kind!r}") from None
         return resolver(timer.target)
-
-
-def merge(into: BatchOutcome, other: BatchOutcome) -> None:
-    """Add ``other``'s lists to ``into`` (outcomes of one shard from several batches)."""
-    into.fired += other.fired
-    into.errors += other.errors
-    into.external += other.external
-    into.leftover += other.leftover
-    into.readd += other.readd
-    into.lateness_ms += other.lateness_ms
-
-
-def pack(work: Work, size: int) -> list[Work]:
-    """Cut the due ids of many shards into batches of at most ``size`` ids in all.
-
-    Shards keep their order and each shard's ids stay oldest first; a shard with more
-    than ``size`` due ids is split across consecutive batches.
-    """
-    batches: list[Work] = []
-    current: list[tuple[ShardRunner, Sequence[int]]] = []
-    room = size
-    for runner, ids in work:
-        start = 0
-        while start < len(ids):
-            take = ids[start : start + room]
-            current.append((runner, take))
-            start += len(take)
-            room -= len(take)
-            if room == 0:
-                batches.append(current)
-                current, room = [], size
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _context(timer: store.DueTimer, now_ms: int, token: int, metrics: Any = None) -> FireContext:

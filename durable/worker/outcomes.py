@@ -12,13 +12,17 @@ import json
 import logging
 from typing import Any
 
+from django.db import DatabaseError, transaction
+
 from durable.conf import DurableSettings
 from durable.core.backoff import Backoff
 from durable.core.errors import sanitize_error
 from durable.dispatch import kinds
-from durable.exceptions import HandlerAborted
+from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
+from durable.storage import claims
 from durable.storage import firing as store
+from durable.storage.leases import fence
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
@@ -78,6 +82,30 @@ class Outcomes:
         if follow is not None:
             readd.append((follow.shard, follow.pk, follow.fire_at_ms))
 
+    def give_up(self, shard: int, token: int, timer_id: int, exc: Exception, now_ms: int) -> bool:
+        """Dead-letter a timer whose firing failed alone on an error of durable's own (a
+        value its bookkeeping cannot store, say), in a fenced transaction of its own.
+
+        False when even that failed (the caller then sets the timer aside); True when it
+        is dead-lettered, finished already, or no longer this worker's.
+        """
+        error = f"firing it failed outside its handler: {sanitize_error(exc)}"
+        try:
+            with transaction.atomic(using=self.db):
+                fence(self.db, shard, token)
+                done = claims.dead_letter(self.db, timer_id, token, now_ms, error)
+        except LeaseLost:
+            return True
+        except DatabaseError as again:
+            error = f"{error}; dead-lettering it failed too: {sanitize_error(again)}"
+            event(log, logging.ERROR, "timer.quarantined", timer=timer_id, shard=shard, error=error)
+            return False
+        if done:
+            if self.metrics is not None:
+                self.metrics.on_dead_letter(shard)
+            event(log, logging.ERROR, "timer.dead_letter", timer=timer_id, shard=shard, error=error)
+        return True
+
     def log_error(
         self, timer: store.DueTimer, attempt: int, exc: BaseException, *, count: bool = True
     ) -> None:
@@ -103,14 +131,3 @@ def json_value(value: Any) -> Any:
     except (TypeError, ValueError):
         return None
     return value
-
-
-def contained(exc: BaseException) -> BaseException:
-    """An ordinary exception for any a handler raised (``SystemExit`` becomes
-    :class:`~durable.exceptions.HandlerAborted`, chained), so nothing a handler raises
-    ends the worker: it fails that attempt."""
-    if isinstance(exc, Exception):
-        return exc
-    aborted = HandlerAborted(f"the handler raised {type(exc).__name__}: {exc}")
-    aborted.__cause__ = exc
-    return aborted

@@ -17,8 +17,8 @@ from django.test.utils import CaptureQueriesContext
 import durable
 from durable.core.sharding import shard_of_timer
 from durable.models import ShardLease, Timer, WorkerNode
+from durable.worker.batches import pack
 from durable.worker.engine import Engine
-from durable.worker.firer import pack
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
