@@ -4,6 +4,9 @@
     python bench/workflows.py --quick                  # small sizes
     python bench/workflows.py --dbos /tmp/dbosenv/bin/python   # DBOS side by side
 
+Every commit is synchronous by default (``ASYNC_COMMIT`` off); the end-to-end and drain
+sections run twice, with the default and with the ``ASYNC_COMMIT`` opt-in, in one run.
+
 Sections: a 10-step workflow (``testproject.demo.workflows.ten_steps``) run one at a
 time end to end (start, worker picks it up, completed), then drained by a worker with one
 executor thread (sequential execution) and with eight (concurrent); the overhead of one
@@ -65,9 +68,15 @@ def setup_django() -> None:
 class Worker:
     """A ``run_timer_shards`` subprocess; reads its threads and RSS from /proc."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, async_commit: bool = False) -> None:
         self.log = open(f"/tmp/bench-workflows-{threads}.log", "w")  # noqa: SIM115
-        env = {**os.environ, "DATABASE_URL": WORKER_URL, "DURABLE_LOG_LEVEL": "WARNING"}
+        env = {
+            **os.environ,
+            "DATABASE_URL": WORKER_URL,
+            "DURABLE_LOG_LEVEL": "WARNING",
+            # Synchronous checkpoints are the default; the opt-in is measured beside them.
+            "DURABLE_ASYNC_COMMIT": "true" if async_commit else "false",
+        }
         command = [sys.executable, "manage.py", "run_timer_shards", "--threads", str(threads)]
         self.proc = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
@@ -135,12 +144,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
-def one_at_a_time(n: int) -> dict[str, float]:
+def one_at_a_time(n: int, async_commit: bool = False) -> dict[str, float]:
     """Start, wait for the result, next: end-to-end latency through a worker."""
     from durable.workflows import get_result
     from testproject.demo.workflows import ten_steps
 
-    worker = Worker(threads=8)
+    worker = Worker(threads=8, async_commit=async_commit)
     latencies = []
     started = time.monotonic()
     for i in range(n):
@@ -150,24 +159,25 @@ def one_at_a_time(n: int) -> dict[str, float]:
         latencies.append((time.monotonic() - begun) * 1000)
     took = time.monotonic() - started
     worker.stop()
+    mode = "_async" if async_commit else ""
     return {
-        "e2e_wf_s": n / took,
-        "e2e_p50_ms": pct(latencies, 50),
-        "e2e_p99_ms": pct(latencies, 99),
+        f"e2e_wf_s{mode}": n / took,
+        f"e2e_p50_ms{mode}": pct(latencies, 50),
+        f"e2e_p99_ms{mode}": pct(latencies, 99),
     }
 
 
-def drain(n: int, threads: int) -> dict[str, float]:
+def drain(n: int, threads: int, async_commit: bool = False) -> dict[str, float]:
     """Queue ``n`` runs, then let a worker with ``threads`` executor threads drain them."""
     from testproject.demo.workflows import ten_steps
 
     reset()
-    worker = Worker(threads=threads)
+    worker = Worker(threads=threads, async_commit=async_commit)
     started = time.monotonic()
     ten_steps.start_many({"args": [i]} for i in range(n))
     took = wait_done(n) - started
     worker.stop()
-    return {f"drain{threads}_wf_s": n / took}
+    return {f"drain{threads}_wf_s{'_async' if async_commit else ''}": n / took}
 
 
 def step_overhead(n: int) -> dict[str, float]:
@@ -279,9 +289,11 @@ def main() -> None:
     setup_django()
     q = args.quick
     results: dict[str, float] = {}
-    results |= one_at_a_time(50 if q else 300)
-    results |= drain(100 if q else 500, threads=1)
-    results |= drain(300 if q else 2000, threads=8)
+    for async_commit in (False, True):  # the default, then the opt-in
+        reset()
+        results |= one_at_a_time(50 if q else 300, async_commit)
+        results |= drain(100 if q else 500, threads=1, async_commit=async_commit)
+        results |= drain(300 if q else 2000, threads=8, async_commit=async_commit)
     results |= step_overhead(50 if q else 300)
     results |= starts(2000 if q else 10_000)
     results |= sleepers(1000 if q else 10_000)
@@ -299,7 +311,17 @@ def _rows(ours: dict[str, float], peer: dict[str, float]) -> list[tuple[str, ...
     late = f"{ours['sleep_p50_ms']:.1f} / {ours['sleep_p99_ms']:.1f}"
     peer_late = f"{get('sleep_p50_ms')} / {get('sleep_p99_ms')}"
     e2e = f"{ours['e2e_p50_ms']:.1f} / {ours['e2e_p99_ms']:.1f}"
-    return [
+    e2e_async = f"{ours['e2e_p50_ms_async']:.1f} / {ours['e2e_p99_ms_async']:.1f}"
+    opt_in = [
+        ("ASYNC_COMMIT=True (opt-in): one at a time, steps/s", f"{ours['e2e_wf_s_async'] * 10:.0f}",
+         get("seq_wf_s", 10), ratio(ours["e2e_wf_s_async"], "seq_wf_s"), ""),
+        ("  start -> completed p50 / p99 (ms)", e2e_async, "-", "", ""),
+        ("  steps/s, 1 executor thread", f"{ours['drain1_wf_s_async'] * 10:.0f}",
+         get("seq_wf_s", 10), ratio(ours["drain1_wf_s_async"], "seq_wf_s"), ""),
+        ("  steps/s, 8 threads", f"{ours['drain8_wf_s_async'] * 10:.0f}", get("conc_wf_s", 10),
+         ratio(ours["drain8_wf_s_async"], "conc_wf_s"), ""),
+    ]  # fmt: skip
+    default = [
         ("10-step workflows one at a time, start -> result (wf/s)", f"{ours['e2e_wf_s']:.0f}",
          get("seq_wf_s"), ratio(ours["e2e_wf_s"], "seq_wf_s"), ""),
         ("  steps/s", f"{ours['e2e_wf_s'] * 10:.0f}", get("seq_wf_s", 10),
@@ -327,6 +349,7 @@ def _rows(ours: dict[str, float], peer: dict[str, float]) -> list[tuple[str, ...
          f"{ours['sleep_rss_added_mb']:.1f} / {ours['wake_rss_added_mb']:.1f}",
          get("sleep_rss_added_mb"), "", "<= 50"),
     ]  # fmt: skip
+    return [*default, *opt_in]
 
 
 def report(ours: dict[str, float], peer: dict[str, float]) -> None:

@@ -48,7 +48,22 @@ class DurableSettings:
     BATCH_TIME_BUDGET_S: float = 2.0
     """A batch stops taking new timers after this long, so one slow handler can't stall it."""
     CLAIM_TIMEOUT_S: float = 300.0
-    """An external (non-atomic) fire not completed in this long is run again."""
+    """An external (non-atomic) fire not completed in this long is run again (on a live
+    owner; a new owner re-runs the old owner's claims at once)."""
+    ATOMIC_TIMEOUT_S: float = 5.0
+    """An atomic handler running longer is interrupted and its attempt fails. It holds its
+    batch and the worker's loop, so the deadline is never more than half of
+    ``LEASE_TTL_S``, whatever this or a handler's ``timeout=`` says."""
+    HANDLER_TIMEOUT_S: float = 240.0
+    """An external handler or task running longer is abandoned and its attempt fails. Never
+    more than ``CLAIM_TIMEOUT_S``, whatever this or a handler's ``timeout=`` says, so it is
+    never run twice at once."""
+    ASYNC_COMMIT: bool = False
+    """Opt-in speed: workflow checkpoints and batches that only claim commit asynchronously
+    on PostgreSQL. A database crash can then take back their last moments (see the
+    settings reference for what that risks)."""
+    SHUTDOWN_GRACE_S: float = 30.0
+    """On SIGTERM, how long the worker waits for running handlers before it exits."""
     MAX_ATTEMPTS: int = 5
     """Default attempts before a timer is dead-lettered (state failed)."""
     BACKOFF_BASE_S: float = 1.0
@@ -205,6 +220,11 @@ RULES: dict[str, Rule] = {
     "BATCH_SIZE": Rule(Integer(1)),
     "BATCH_TIME_BUDGET_S": Rule(Number(0, YEAR_S, above=True)),
     "CLAIM_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    # Capped at run time (by LEASE_TTL_S / 2 and CLAIM_TIMEOUT_S): no relation needed.
+    "ATOMIC_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    "HANDLER_TIMEOUT_S": Rule(Number(0, YEAR_S, above=True)),
+    "ASYNC_COMMIT": Rule(Predicate(lambda v: isinstance(v, bool), "True or False")),
+    "SHUTDOWN_GRACE_S": Rule(Number(0, YEAR_S)),
     # Timer.max_attempts is a 32-bit integer column.
     "MAX_ATTEMPTS": Rule(Integer(1, 2_147_483_647)),
     "BACKOFF_BASE_S": Rule(Number(0, YEAR_S, above=True)),

@@ -27,6 +27,32 @@ class UnknownHandler(TimerError):
     """No handler is registered under that name."""
 
 
+class AttemptsExhausted(TimerError):
+    """Every attempt of the timer started and none finished (the worker died or hung)."""
+
+
+class HandlerTimeout(TimerError):
+    """The handler ran past its ``timeout`` and was abandoned; the attempt failed."""
+
+
+class HandlerAborted(TimerError):
+    """The handler raised a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, ...).
+
+    The worker counts it as a failed attempt of that timer and lives on; the original
+    exception is chained as ``__cause__``.
+    """
+
+    @classmethod
+    def contain(cls, exc: BaseException) -> Exception:
+        """``exc`` if it is an ``Exception``, else a ``HandlerAborted`` chained to it: what
+        a handler raised, made something that fails an attempt and not the worker."""
+        if isinstance(exc, Exception):
+            return exc
+        aborted = cls(f"the handler raised {type(exc).__name__}: {exc}")
+        aborted.__cause__ = exc
+        return aborted
+
+
 # Also a ValueError, so code that already catches bad values handles it. Attributes:
 # ``path`` names the offending part (``args[1]['when']``); ``size`` and ``limit`` are set
 # when the payload is too large.

@@ -75,6 +75,10 @@ class WorkerMetrics:
         if errors:
             self.errors.labels(label).inc(errors)
 
+    def on_handler_error(self, shard: int) -> None:
+        """Record one failed attempt of a handler that ran outside a batch (external, task)."""
+        self.errors.labels(str(shard)).inc()
+
     def on_dead_letter(self, shard: int) -> None:
         """Record a timer moved to the dead letter."""
         self.dead_letters.labels(str(shard)).inc()

@@ -78,6 +78,9 @@ class Timer(models.Model):
         null=True, blank=True, help_text="lease token of the transaction that fired it"
     )
     claim_expires_ms = models.BigIntegerField(null=True, blank=True)
+    claim_token = models.BigIntegerField(
+        null=True, blank=True, help_text="lease token of the owner that claimed it (state firing)"
+    )
     last_error = models.CharField(max_length=500, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

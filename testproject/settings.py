@@ -94,11 +94,13 @@ DURABLE = {
     "BATCH_TIME_BUDGET_S": env.float("DURABLE_BATCH_TIME_BUDGET_S", default=2.0),
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
+    "ASYNC_COMMIT": env.bool("DURABLE_ASYNC_COMMIT", default=False),
     # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
     # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers
     # fire handlers kept under tests/, which is not an app.
     "IMPORTS": [
         "testproject.demo.probes",
+        "testproject.demo.poison",
         "testproject.demo.workload",
         *env.list("DURABLE_IMPORTS", default=[]),
     ],

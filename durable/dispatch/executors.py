@@ -31,11 +31,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from django.db import DatabaseError, close_old_connections, transaction
+from django.db import (
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    transaction,
+)
 from kombu import Connection, Message
 
 from durable.core.backoff import Backoff
@@ -44,7 +50,9 @@ from durable.core.errors import sanitize_error
 from durable.dispatch.broker import Outgoing, direct_queue, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec
+from durable.exceptions import HandlerAborted
 from durable.models import Timer
+from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage import timers as timer_store
 from durable.storage.notify import notify_timers
@@ -57,6 +65,9 @@ QUEUE = "durable.executor"
 #: Timer kinds an executor runs. Cron occurrences, workflow replays and Celery publishes
 #: stay in the worker: they need its lease token or are a publish already.
 SHIPPED_KINDS = frozenset({"handler", "task"})
+#: Requeues of one message for an unreachable database before it is dropped (the claim's
+#: expiry then runs the timer again).
+MAX_REQUEUES = 10
 #: Outcomes of :func:`execute`.
 DONE, RETRY, FAILED, STALE = "done", "retry", "failed", "stale"
 
@@ -131,8 +142,8 @@ def _execute_atomic(db: str, clock: Clock, shipment: Shipment, spec: HandlerSpec
         try:
             with transaction.atomic(using=db), firing(_context(timer, shipment, clock)):
                 value = spec.fn(*timer.args, **timer.kwargs)
-        except Exception as exc:  # its savepoint rolled its own effects back
-            error = exc
+        except BaseException as exc:  # its savepoint rolled its own effects back
+            error = HandlerAborted.contain(exc)
         return _settle(db, clock, shipment, timer, value, error)
 
 
@@ -144,8 +155,8 @@ def _execute_external(
     try:
         with firing(_context(timer, shipment, clock)):
             value = spec.fn(*timer.args, **timer.kwargs)
-    except Exception as exc:
-        error = exc
+    except BaseException as exc:  # SystemExit and the like fail the attempt, not the process
+        error = HandlerAborted.contain(exc)
     with transaction.atomic(using=db):
         locked = _claimed(db, shipment, lock=True)
         if locked is None:
@@ -193,6 +204,14 @@ def _settle(
     return FAILED
 
 
+def record_failure(db: str, clock: Clock, shipment: Shipment, error: BaseException) -> str:
+    """Record ``error`` as the failed attempt of ``shipment`` (retry or dead letter), in a
+    transaction of its own; ``STALE`` if the claim no longer stands."""
+    with transaction.atomic(using=db):
+        locked = _claimed(db, shipment, lock=True)
+        return STALE if locked is None else _settle(db, clock, shipment, locked, None, error)
+
+
 def _bucket_shift() -> int:
     from durable.conf import get_settings
 
@@ -233,8 +252,9 @@ class ExecutorConsumer:
     """Takes shipments off :data:`QUEUE` one at a time and executes them.
 
     A message is acknowledged once its completion committed (or it proved stale or
-    malformed); a database error leaves it unacknowledged for redelivery, so an executor
-    that dies or loses its database loses nothing.
+    malformed). An unreachable database requeues it (after a pause, at most
+    ``MAX_REQUEUES`` times in a row); any other database error is recorded as the
+    attempt's failure on the row and the message acknowledged, so no message loops.
     """
 
     def __init__(self, *, url: str, db: str, clock: Clock, resolvers: Resolvers) -> None:
@@ -243,6 +263,7 @@ class ExecutorConsumer:
         self.clock = clock
         self.resolvers = resolvers
         self.outcomes: dict[str, int] = {DONE: 0, RETRY: 0, FAILED: 0, STALE: 0}
+        self.requeues: dict[int, int] = {}  # timer id -> requeues for a transient error
 
     def run(self, stop: threading.Event, *, poll_s: float = 1.0) -> None:
         """Consume until ``stop`` is set, reconnecting (with a pause) when the broker drops."""
@@ -286,9 +307,56 @@ class ExecutorConsumer:
             return
         try:
             outcome = execute(shipment, db=self.db, clock=self.clock, resolvers=self.resolvers)
-        except DatabaseError as exc:
-            _log(logging.WARNING, "executor.database_error", error=sanitize_error(exc))
-            message.requeue()
+        except (OperationalError, InterfaceError) as exc:
+            self._transient(shipment, message, exc)
+            return
+        except Exception as exc:  # e.g. a value the bookkeeping cannot store
+            self._permanent(shipment, message, exc)
+            return
+        finally:
+            close_old_connections()
+        self.requeues.pop(shipment.timer_id, None)
+        self.outcomes[outcome] += 1
+        message.ack()
+
+    def _transient(self, shipment: Shipment, message: Message, exc: Exception) -> None:
+        """The database is unreachable: requeue after a pause, up to ``MAX_REQUEUES`` times.
+
+        Past that the message is dropped: the timer's claim stands in the database, and the
+        worker runs it again when the claim expires (never lost).
+        """
+        count = self.requeues.get(shipment.timer_id, 0) + 1
+        self.requeues[shipment.timer_id] = count
+        _log(logging.WARNING, "executor.database_error", timer=shipment.timer_id,
+             requeues=count, error=sanitize_error(exc))  # fmt: skip
+        if count > MAX_REQUEUES:
+            self.requeues.pop(shipment.timer_id, None)
+            message.reject()
+            return
+        time.sleep(min(5.0, 0.1 * 2**count))
+        message.requeue()
+
+    def _permanent(self, shipment: Shipment, message: Message, exc: Exception) -> None:
+        """An error that another try would meet again (a value out of range, a missing
+        table): the attempt fails on the row, and the message is done with. If recording
+        the failure fails the same way, the timer is dead-lettered with the error."""
+        _log(logging.ERROR, "executor.permanent_error", timer=shipment.timer_id,
+             error=sanitize_error(exc))  # fmt: skip
+        try:
+            try:
+                outcome = record_failure(self.db, self.clock, shipment, exc)
+            except Exception:
+                error = f"executing it failed outside its handler: {sanitize_error(exc)}"
+                with transaction.atomic(using=self.db):
+                    now_ms = self.clock.now_ms()
+                    dead = claims.dead_letter(
+                        self.db, shipment.timer_id, shipment.token, now_ms, error
+                    )
+                outcome = FAILED if dead else STALE
+        except Exception as again:  # the database is gone too: the claim's expiry re-runs it
+            _log(logging.ERROR, "executor.record_failed", timer=shipment.timer_id,
+                 error=sanitize_error(again))  # fmt: skip
+            message.reject()
             return
         finally:
             close_old_connections()

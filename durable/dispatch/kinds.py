@@ -37,13 +37,18 @@ class FiringBatch:
     """The batch's time: what judged its timers due."""
     claim_until_ms: int
     """Until when an external timer claimed in this batch stays claimed."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    """Shard → the lease token the batch runs under (a claim records its shard's)."""
+    sent: set[int] = field(default_factory=set)
+    """Timers the firer sends to the executor after commit (set before the scopes exit);
+    a scope claims none but these."""
     claimed: set[int] = field(default_factory=set)
     """Timers a scope claimed itself, as :func:`durable.storage.firing.claim` does: the
     firer does not claim them again."""
     only_claims: bool = False
     """Set by the firer after the handlers ran, before the scopes exit: the batch fired
-    nothing in its transaction, so its claims may commit asynchronously (see
-    :func:`durable.storage.firing.claim`)."""
+    nothing in its transaction and ``ASYNC_COMMIT`` is on, so its claims may commit
+    asynchronously (see :func:`durable.storage.firing.claim`)."""
 
 
 Resolver = Callable[[str], HandlerSpec]
@@ -64,6 +69,11 @@ class RedoCarefully(Exception):
 
 _scopes: dict[str, BatchScope] = {}
 
+#: ``hook(db, timer, error, now_ms)``, called in the transaction that dead-letters a
+#: timer of its kind.
+DeadLetterHook = Callable[[str, Any, str, int], None]
+_dead_letter_hooks: dict[str, DeadLetterHook] = {}
+
 
 def register_kind(kind: str, resolver: Resolver) -> None:
     """Make timers of ``kind`` fire through ``resolver`` (called once per fire)."""
@@ -78,6 +88,23 @@ def resolvers() -> dict[str, Resolver]:
 def register_batch_scope(kind: str, scope: BatchScope) -> None:
     """Enter ``scope`` around a batch's handlers when the batch holds timers of ``kind``."""
     _scopes[kind] = scope
+
+
+def register_dead_letter(kind: str, hook: DeadLetterHook) -> None:
+    """Call ``hook`` when a timer of ``kind`` is dead-lettered (in that transaction).
+
+    For kinds whose timers stand for something else that must not wait for ever: the
+    workflow kind fails the run whose wake-up timer used up its attempts.
+    """
+    _dead_letter_hooks[kind] = hook
+
+
+def dead_lettered(db: str, timer: Any, error: str, now_ms: int) -> None:
+    """Tell ``timer``'s kind it was dead-lettered with ``error`` (see
+    :func:`register_dead_letter`)."""
+    hook = _dead_letter_hooks.get(timer.kind)
+    if hook is not None:
+        hook(db, timer, error, now_ms)
 
 
 @contextmanager

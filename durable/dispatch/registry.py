@@ -33,6 +33,10 @@ class HandlerSpec:
     """Attempts before dead letter; ``None`` uses ``DURABLE["MAX_ATTEMPTS"]``."""
     backoff: Backoff | None = None
     """Retry policy; ``None`` uses the ``BACKOFF_*`` settings."""
+    timeout: float | None = None
+    """Seconds an attempt may run before it is abandoned as failed; ``None`` uses
+    ``DURABLE["ATOMIC_TIMEOUT_S"]`` (atomic) or ``DURABLE["HANDLER_TIMEOUT_S"]``;
+    ``math.inf`` sets no deadline."""
 
 
 def handler_name(fn: Callable[..., Any]) -> str:

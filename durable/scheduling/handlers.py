@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from durable.conf import get_settings
@@ -19,7 +21,11 @@ def handler(fn: F, /) -> F: ...
 
 @overload
 def handler(
-    *, atomic: bool = True, max_attempts: int | None = None, backoff: Any = None
+    *,
+    atomic: bool = True,
+    max_attempts: int | None = None,
+    backoff: Any = None,
+    timeout: float | timedelta | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -30,6 +36,7 @@ def handler(
     atomic: bool = True,
     max_attempts: int | None = None,
     backoff: Any = None,
+    timeout: float | timedelta | None = None,
 ) -> Any:
     """Register a module-level function as a timer handler; return it unchanged.
 
@@ -43,12 +50,17 @@ def handler(
     - ``max_attempts``: attempts before the timer is dead-lettered (default
       ``DURABLE["MAX_ATTEMPTS"]``); ``backoff``: a :class:`durable.Backoff`, or a
       ``timedelta`` base delay capped by ``DURABLE["BACKOFF_MAX_S"]``.
+    - ``timeout``: seconds (or a ``timedelta``) an attempt may run; past it the attempt
+      fails (an atomic handler is interrupted, an external one abandoned on its thread).
+      Default ``DURABLE["ATOMIC_TIMEOUT_S"]`` (5 s) for atomic handlers and
+      ``DURABLE["HANDLER_TIMEOUT_S"]`` (240 s) for the others.
 
     Bad options raise ``TypeError``/``ValueError`` naming the argument, at decoration time.
     """
     if not isinstance(atomic, bool):
         raise TypeError(f"atomic: expected True or False, got {type(atomic).__name__}")
     check_max_attempts(max_attempts)
+    timeout_s = check_timeout(timeout)
     # Settings are read only for a timedelta: decorators run at import, and a handler
     # module should not need configured settings unless it asks for them.
     policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
@@ -61,6 +73,7 @@ def handler(
             atomic=atomic,
             max_attempts=max_attempts,
             backoff=policy,
+            timeout=timeout_s,
         )
         handlers.register(spec)
         return func
@@ -80,3 +93,16 @@ def _check_function(func: Any) -> None:
         )
     if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
         raise TypeError(f"handler {func.__qualname__!r} is async; handlers must be sync functions")
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A handler's ``timeout`` in seconds: positive and finite, or None; else an error."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout: expected seconds or a timedelta, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
+    return float(timeout)

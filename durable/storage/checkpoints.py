@@ -5,13 +5,16 @@ Each checkpoint is a short transaction the replay opens itself (and fences). The
 checking it still runs and inserting the step records is one statement, and so is
 starting a replay. Other databases get the same effects through the ORM.
 
-Checkpoint transactions commit asynchronously on PostgreSQL (``synchronous_commit``
-off, for that transaction only). That is safe here, and only here: the wake-up timer
-that started the replay stays claimed until the firer marks it fired, in a synchronous
-commit that flushes the WAL up to itself, checkpoints included. If the database crashes
-before that, the claim expires and the replay runs again from what was flushed; a worker
-crash loses nothing, since the server has every commit. A step then costs round trips,
-not a disk flush.
+Checkpoint transactions commit synchronously by default, as every commit durable makes
+that reports something done. ``DURABLE["ASYNC_COMMIT"] = True`` lets them commit
+asynchronously on PostgreSQL (``synchronous_commit`` off, for that transaction only): a
+step then costs round trips, not a disk flush. The run still cannot lose a step for good:
+the wake-up timer that started the replay stays claimed until it is marked fired in a
+synchronous commit, which flushes the WAL up to itself, checkpoints included; if the
+database crashes before that, the replay runs again from what was flushed (a worker crash
+loses nothing, the server has every commit). What it risks: until the flush, other
+connections can read what a ``ctx.atomic`` step wrote, and a database crash then takes it
+back until the replay does the step again.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from django.db import connections
 
+from durable.conf import get_settings
 from durable.exceptions import LeaseLost
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowState, WorkflowStep
 from durable.storage import statements
@@ -32,6 +36,14 @@ STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "
 ACTIVE = WorkflowRun.ACTIVE_STATES
 RUN_FIELDS = ("name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id")
 _ASYNC = "set_config('synchronous_commit', 'off', true)"
+
+
+def commit_mode() -> str:
+    """A SELECT column that makes a checkpoint commit asynchronously when
+    ``ASYNC_COMMIT`` opts in (PostgreSQL), else a column that does nothing."""
+    return _ASYNC if get_settings().ASYNC_COMMIT else "NULL"
+
+
 # The run's history as one JSON array, in RETURNING (the row being updated is the run).
 HISTORY_SQL = (
     "(SELECT coalesce(json_agg(json_build_object('seq', s.seq, 'kind', s.kind, 'name', s.name, "
@@ -72,7 +84,7 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
     On PostgreSQL one statement: the history comes back in the same row, as JSON.
     """
     connection = connections[db]
-    extra = f", {HISTORY_SQL}, {_ASYNC}" if is_postgres(db) else ""
+    extra = f", {HISTORY_SQL}, {commit_mode()}" if is_postgres(db) else ""
     placeholders = ", ".join(["%s"] * len(ACTIVE))
     sql = (
         "UPDATE durable_workflowrun SET state = %s, replays = replays + 1, updated_at = %s "
@@ -194,7 +206,7 @@ def _insert(
         found, _ = _run_statement(db, run_id, None, "updated_at = %s", [when], inserts, when)
         return found
     added, params = _added("%s", "", inserts, when)
-    sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {_ASYNC}"
+    sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {commit_mode()}"
     with statements.cursor(db) as cursor:
         cursor.execute(sql, [run_id, *params] if inserts else [])
     return True
@@ -269,8 +281,8 @@ def finish_run(
     if claim is not None:
         fired_cte = (
             ", fired AS (UPDATE durable_timer SET state = 'fired', fired_token = %s, "
-            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '' "
-            "WHERE id = %s AND state = 'firing' AND attempts = %s "
+            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, claim_token = NULL, "
+            "last_error = '' WHERE id = %s AND state = 'firing' AND attempts = %s "
             "AND EXISTS (SELECT 1 FROM held) RETURNING id)"
         )
         fired_params = [claim.token, when, when, claim.timer_id, claim.attempts]
@@ -298,12 +310,13 @@ def _run_statement(
     when: Any,
     *,
     tail: tuple[str, list[Any], str] = ("", [], ", 0"),
-    commit: str = f", {_ASYNC}",
+    commit: str | None = None,
 ) -> tuple[bool, Any]:
     """One fenced statement on a running run: update it, insert step records, and more.
 
     ``tail`` is (more CTEs, their parameters, one more SELECT column); ``commit`` an
-    extra SELECT column that sets how the transaction commits. Returns (the run was
+    extra SELECT column that sets how the transaction commits (default
+    :func:`commit_mode`). Returns (the run was
     running and got the update, the tail column); raises LeaseLost.
     """
     added, rows = _added("held.id", "held, ", inserts, when)
@@ -321,7 +334,8 @@ def _run_statement(
     sql = (
         f"WITH {lease_cte}held AS (UPDATE durable_workflowrun SET {set_sql} "
         f"WHERE id = %s AND state = %s AND {ours} RETURNING id){added}{ctes} "
-        f"SELECT {ours}, (SELECT count(*) FROM held), {current}{tail_column}{commit}"
+        f"SELECT {ours}, (SELECT count(*) FROM held), {current}{tail_column}"
+        f"{f', {commit_mode()}' if commit is None else commit}"
     )
     params = [*shard_params, *set_params, run_id, WorkflowState.RUNNING, *token_params, *rows,
               *tail_params, *token_params]  # fmt: skip
@@ -346,6 +360,19 @@ def set_state(
     WorkflowRun.objects.using(db).filter(pk=run_id).update(
         state=state, wait_signal=wait_signal, wait_seq=wait_seq
     )
+
+
+def fail_unfinished(db: str, run_id: str, error: str, now_ms: int) -> str | None:
+    """Fail run ``run_id`` with ``error`` unless it has ended; return its parent id ("" if
+    none), or None when it had ended already."""
+    when = ms_to_dt(now_ms)
+    rows = WorkflowRun.objects.using(db).filter(pk=run_id, state__in=ACTIVE)
+    parent = rows.values_list("parent_id", flat=True).first()
+    updated = rows.update(
+        state=WorkflowState.FAILED, error=error, wait_signal="", wait_seq=None,
+        finished_at=when, updated_at=when,
+    )  # fmt: skip
+    return (parent or "") if updated else None
 
 
 def finish(db: str, run_id: str, state: str, result: Any, error: str, now_ms: int) -> None:

@@ -181,6 +181,14 @@ def _due(
     vendor: str, shards: Sequence[int], ids: Sequence[int], now_ms: int
 ) -> tuple[str, list[Any]]:
     """``SELECT`` of the rows of ``ids`` in ``shards`` that may fire now, and its params."""
+    where, params = due_where(vendor, shards, ids, now_ms)
+    return f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where}", params
+
+
+def due_where(
+    vendor: str, shards: Sequence[int], ids: Sequence[int], now_ms: int
+) -> tuple[str, list[Any]]:
+    """The ``WHERE`` condition of the rows of ``ids`` in ``shards`` that may fire now."""
     where, params = statements.in_clause(vendor, ids)
     in_shards, shard_params = statements.in_clause(vendor, shards, "shard", "integer")
     # "pending and due, or firing with an expired claim", spelled so that only the
@@ -189,8 +197,7 @@ def _due(
     # fire_at_ms test keeps "never early" even if a row's time moved after the wheel
     # loaded its id; the rescan puts such an id back at its new time.
     sql = (
-        f"SELECT {_DUE_COLUMNS} FROM durable_timer WHERE {where} AND {in_shards} "
-        f"AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
+        f"{where} AND {in_shards} AND {_NOT_FINISHED} AND ((state = %s AND fire_at_ms <= %s) "
         "OR claim_expires_ms <= %s)"
     )
     return sql, [*params, *shard_params, *_FINISHED, _PENDING, now_ms, now_ms]
@@ -212,9 +219,9 @@ def mark_fired(
     """Record successful fires (one UPDATE for all ids; results stored where given).
 
     ``tokens`` maps each shard the ids belong to → the fencing token the fire committed
-    under, stored as ``fired_token``: the proof of which owner fired a row. A pending
-    row counts its attempt here; a firing row (an external handler) counted it when it
-    was claimed. ``updated_at`` is stamped because retention pruning goes by it.
+    under, stored as ``fired_token``: the proof of which owner fired a row. The attempt
+    was counted before its handler ran (:func:`durable.storage.claims.count_attempts`).
+    ``updated_at`` is stamped because retention pruning goes by it.
     """
     ids = list(ids)
     if not ids:
@@ -222,21 +229,13 @@ def mark_fired(
     conn = connections[db]
     where, params = statements.in_clause(conn.vendor, ids)
     when = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
-    shards = sorted(tokens)
-    if conn.vendor == "postgresql":  # one statement text whatever the shards
-        token_of_shard = "(%s::bigint[])[array_position(%s::integer[], shard)]"
-        array = statements.int_array
-        token_params = [array(tokens[shard] for shard in shards), array(shards)]
-    else:
-        token_of_shard = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
-        token_params = [v for shard in shards for v in (shard, tokens[shard])]
+    token_of_shard, token_params = token_by_shard(conn.vendor, tokens)
     with statements.cursor(db) as cursor:
         cursor.execute(
             f"UPDATE durable_timer SET state = %s, fired_token = {token_of_shard}, "
-            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, last_error = '', "
-            "attempts = CASE WHEN state = %s THEN attempts + 1 ELSE attempts END "
-            f"WHERE {where} AND {_NOT_FINISHED}",
-            [_FIRED, *token_params, when, when, _PENDING, *params, *_FINISHED],
+            "fired_at = %s, updated_at = %s, claim_expires_ms = NULL, claim_token = NULL, "
+            f"last_error = '' WHERE {where} AND {_NOT_FINISHED}",
+            [_FIRED, *token_params, when, when, *params, *_FINISHED],
         )
     for timer_id, result in (results or {}).items():
         Timer.objects.using(db).filter(id=timer_id).update(result=result)
@@ -252,6 +251,7 @@ def mark_retry(
         fire_at_ms=fire_at_ms,
         bucket=bucket_of(fire_at_ms, bucket_shift),
         claim_expires_ms=None,
+        claim_token=None,
         last_error=error,
     )
 
@@ -267,12 +267,25 @@ def mark_failed(
         fired_at=ms_to_dt(now_ms),
         updated_at=ms_to_dt(now_ms),  # update() skips auto_now; retention goes by it
         claim_expires_ms=None,
+        claim_token=None,
         last_error=error,
     )
 
 
-def claim(db: str, ids: Iterable[int], claim_expires_ms: int, *, durable: bool = True) -> None:
-    """Mark external fires as running until ``claim_expires_ms`` (attempt counted now).
+def claim(
+    db: str,
+    ids: Iterable[int],
+    tokens: Mapping[int, int],
+    claim_expires_ms: int,
+    *,
+    durable: bool = True,
+) -> None:
+    """Mark external fires as running until ``claim_expires_ms``, under the lease ``tokens``.
+
+    ``tokens`` maps each shard of ``ids`` to the lease token the claim is made under,
+    stored as ``claim_token``: a new owner of the shard re-runs claims of older tokens at
+    once (:func:`durable.storage.claims.release_stale_claims`). The attempt was counted
+    before (:func:`durable.storage.claims.count_attempts`).
 
     ``durable=False`` lets the transaction commit asynchronously on PostgreSQL: for a
     batch that wrote nothing but claims. A claim lost to a database crash leaves its
@@ -283,7 +296,7 @@ def claim(db: str, ids: Iterable[int], claim_expires_ms: int, *, durable: bool =
     if not ids:
         return
     conn = connections[db]
-    sql, params = claim_sql(conn.vendor, ids, claim_expires_ms)
+    sql, params = claim_sql(conn.vendor, ids, tokens, claim_expires_ms)
     if not durable and conn.vendor == "postgresql":
         sql = f"WITH claimed AS ({sql} RETURNING 1) SELECT count(*), {LAZY_COMMIT} FROM claimed"
     with statements.cursor(db) as cursor:
@@ -294,14 +307,33 @@ def claim(db: str, ids: Iterable[int], claim_expires_ms: int, *, durable: bool =
 LAZY_COMMIT = "set_config('synchronous_commit', 'off', true)"
 
 
-def claim_sql(vendor: str, ids: Sequence[int], claim_expires_ms: int) -> tuple[str, list[Any]]:
+def claim_sql(
+    vendor: str, ids: Sequence[int], tokens: Mapping[int, int], claim_expires_ms: int
+) -> tuple[str, list[Any]]:
     """The UPDATE that claims ``ids`` (see :func:`claim`), for a statement of one's own."""
     where, params = statements.in_clause(vendor, ids)
+    token_of_shard, token_params = token_by_shard(vendor, tokens)
     return (
-        "UPDATE durable_timer SET state = %s, claim_expires_ms = %s, attempts = attempts + 1 "
-        f"WHERE {where}",
-        [_FIRING, claim_expires_ms, *params],
+        f"UPDATE durable_timer SET state = %s, claim_expires_ms = %s, "
+        f"claim_token = {token_of_shard} WHERE {where}",
+        [_FIRING, claim_expires_ms, *token_params, *params],
     )
+
+
+def token_by_shard(vendor: str, tokens: Mapping[int, int]) -> tuple[str, list[Any]]:
+    """An SQL expression of a row's ``shard`` giving its token in ``tokens``, and its params.
+
+    On PostgreSQL one statement text whatever the shards (two array parameters).
+    """
+    shards = sorted(tokens)
+    if vendor == "postgresql":
+        array = statements.int_array
+        return "(%s::bigint[])[array_position(%s::integer[], shard)]", [
+            array(tokens[shard] for shard in shards),
+            array(shards),
+        ]
+    expression = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
+    return expression, [v for shard in shards for v in (shard, tokens[shard])]
 
 
 def complete_claim(
@@ -322,7 +354,7 @@ def complete_claim(
     with statements.cursor(db) as cursor:
         cursor.execute(
             "UPDATE durable_timer SET state = %s, fired_token = %s, fired_at = %s, "
-            "updated_at = %s, claim_expires_ms = NULL, last_error = '' "
+            "updated_at = %s, claim_expires_ms = NULL, claim_token = NULL, last_error = '' "
             f"WHERE id = %s AND state = %s AND attempts = %s RETURNING id{sync}",
             [_FIRED, token, when, when, timer_id, _FIRING, attempts],
         )

@@ -9,7 +9,7 @@ ORM, a run at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,7 @@ def mark_running(
     now_ms: int,
     claim: Sequence[int] = (),
     claim_until_ms: int = 0,
+    tokens: Mapping[int, int] | None = None,
     *,
     lazy: bool = False,
 ) -> set[int]:
@@ -173,8 +174,9 @@ def mark_running(
     (:func:`~durable.storage.checkpoints.begin`): their replay goes to the executor.
 
     On PostgreSQL, the same statement claims the timers ``claim`` until
-    ``claim_until_ms`` (:func:`~durable.storage.firing.claim`; asynchronously committed
-    if ``lazy``), and the claimed ids are returned; elsewhere nothing is claimed.
+    ``claim_until_ms`` under the lease ``tokens`` (:func:`~durable.storage.firing.claim`;
+    asynchronously committed if ``lazy``), and the claimed ids are returned; elsewhere
+    nothing is claimed.
     """
     if not run_ids:
         return set()
@@ -190,7 +192,7 @@ def mark_running(
         with statements.cursor(db) as cursor:
             cursor.execute(f"{update} WHERE id = ANY(%s)", [*params, list(run_ids)])
         return set()
-    claim_update, claim_params = firing.claim_sql("postgresql", claim, claim_until_ms)
+    claim_update, claim_params = firing.claim_sql("postgresql", claim, tokens or {}, claim_until_ms)
     sql = (
         f"WITH runs AS ({update} WHERE id = ANY(%s) RETURNING 1), "
         f"claimed AS ({claim_update} RETURNING id) "

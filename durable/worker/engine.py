@@ -21,7 +21,6 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,13 +41,17 @@ from durable.dispatch.executors import EmbeddedExecutor
 from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
+from durable.storage import claims
 from durable.storage import leases as lease_store
 from durable.storage import status as status_store
 from durable.worker import housekeeping
-from durable.worker.firer import BatchOutcome, Firer, Readd, pack
+from durable.worker.batches import BatchOutcome, pack
+from durable.worker.external import HandlerPool
+from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
 from durable.worker.logs import event
+from durable.worker.outcomes import Readd
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
@@ -91,13 +94,14 @@ class Engine:
         self.stop_event = threading.Event()
         self.inbox: queue.SimpleQueue[Readd] = queue.SimpleQueue()
         self.metrics = metrics or WorkerMetrics()
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="durable")
+        # Threads for external handlers (and the engine's own background reads).
+        self.executor = HandlerPool(threads, name="durable")
         self.firer = Firer(
             db=self.db,
             conf=self.conf,
             clock=self.clock,
             registry=registry,
-            executor=self.executor,
+            pool=self.executor,
             inbox=self.inbox,
             resolvers={**kinds.resolvers(), "handler": registry.resolve},
             metrics=self.metrics,
@@ -191,9 +195,12 @@ class Engine:
         """Ask the loop to finish its turn and shut down (safe from signal handlers)."""
         self.stop_event.set()
 
-    def shutdown(self, wait_s: float = 30.0) -> None:
-        """Finish in-flight external handlers (bounded), release leases, mark stopped."""
-        deadline = time.monotonic() + wait_s
+    def shutdown(self, wait_s: float | None = None) -> None:
+        """Finish in-flight external handlers (up to ``SHUTDOWN_GRACE_S``), release leases,
+        mark stopped. Handlers still running then are left to their daemon threads: the
+        shards' next owners re-run their claims at once."""
+        grace = self.conf.SHUTDOWN_GRACE_S if wait_s is None else wait_s
+        deadline = time.monotonic() + grace
         while self.firer.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -217,6 +224,7 @@ class Engine:
         """Run maintenance that is due, then fire everything due now; return fires."""
         now = self.clock.now_ms()
         self._drain_inbox()
+        self.firer.external.reap()  # external handlers past their deadline
         if now >= self._next_rebalance_ms:
             self._maintain_leases(now)
         if now >= self._next_offset_ms:
@@ -316,6 +324,8 @@ class Engine:
                 shard=got.shard, token=got.token, db=self.db, conf=self.conf, now_ms=now
             )
             runner.cursor_ms = got.cursor_ms
+            # Claims of the previous owner run again now, not at their claim timeout.
+            rerun = claims.release_stale_claims(self.db, got.shard, got.token, now)
             loaded = runner.rebuild(now)
             self.runners[got.shard] = runner
             took = time.monotonic() - started
@@ -329,6 +339,7 @@ class Engine:
                 shard=got.shard,
                 token=got.token,
                 timers=loaded,
+                reclaimed=rerun,
                 rebuild_ms=int(took * 1000),
                 lag_ms=max(0, now - got.cursor_ms) if got.cursor_ms else 0,
             )

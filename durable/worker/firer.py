@@ -13,57 +13,60 @@ effects and records its retry (the failing handler itself is not called again). 
 handlers must therefore keep their effects inside the database: the handlers that ran
 before the failure in that batch are called twice, and commit once.
 
-External handlers (``atomic=False``) are claimed in the batch transaction, run on the
-executor after commit, and completed in a second fenced transaction (or in their own
-last one: :func:`durable.storage.firing.complete_claim`); a crash in between leaves the
-claim to expire, and the timer runs again (at least once).
+Every attempt is counted before its handler runs, in a short transaction of its own
+(:func:`durable.storage.claims.count_attempts`), so a handler that takes the process
+down has used its attempt all the same; a timer due again with every attempt used is
+dead-lettered (:class:`~durable.exceptions.AttemptsExhausted`), and a *suspect* (an
+attempt of it started and never recorded an outcome) runs alone in a batch of its own,
+so it costs no neighbour an attempt again. A handler that raises anything, a
+``BaseException`` included, fails only its own attempt; an atomic one that runs past
+its timeout is interrupted (:mod:`durable.worker.deadline`).
+
+External handlers (``atomic=False``) are claimed in the batch transaction, under the
+shard's lease token, and run on :class:`~durable.worker.external.ExternalRunner`'s
+threads after commit; the firer claims no more of them than it has free threads. A
+crash in between leaves the claim to the shard's next owner, which re-runs it at once
+(:func:`durable.storage.claims.release_stale_claims`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from django.db import close_old_connections, transaction
+from django.db import InterfaceError, OperationalError, transaction
 
 from durable.conf import DurableSettings
-from durable.core.backoff import Backoff
 from durable.core.clock import Clock
-from durable.core.errors import sanitize_error
-from durable.dispatch import executors, kinds
+from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec
-from durable.exceptions import LeaseLost
+from durable.exceptions import AttemptsExhausted, HandlerAborted
 from durable.metrics import WorkerMetrics
+from durable.storage import claims
 from durable.storage import firing as store
-from durable.storage.leases import fence
 from durable.storage.notify import Announced, collecting
+from durable.worker.batches import BatchOutcome, Work, merge
+from durable.worker.deadline import Deadlines
+from durable.worker.external import ExternalRunner, HandlerPool
 from durable.worker.logs import event
+from durable.worker.outcomes import Outcomes, Readd, json_value
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
-#: (shard, timer id, fire_at_ms) to put back in a wheel, from any thread.
-Readd = tuple[int, int, int]
-
-
-#: One batch of work: owned shards' runners, each with some of its due ids.
-Work = Sequence[tuple[ShardRunner, Sequence[int]]]
+__all__ = ["Firer"]
 
 
 class _Rollback(Exception):
     """A handler raised on the fast path: roll the batch back and redo it carefully."""
 
-    def __init__(self, timer_id: int, error: Exception) -> None:
+    def __init__(self, timer_id: int, error: BaseException) -> None:
         super().__init__(timer_id, error)
         self.timer_id = timer_id
         self.error = error
@@ -77,20 +80,6 @@ class _Fenced(Exception):
         self.stale = stale
 
 
-@dataclass(slots=True)
-class BatchOutcome:
-    """What one batch did in one shard; the engine turns it into metrics and wheel updates."""
-
-    fired: list[tuple[store.DueTimer, Any]] = field(default_factory=list)
-    errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
-    external: list[store.DueTimer] = field(default_factory=list)
-    leftover: list[store.DueTimer] = field(default_factory=list)
-    readd: list[Readd] = field(default_factory=list)
-    lateness_ms: list[int] = field(default_factory=list)
-    lost: str = ""
-    """Why the shard's lease was found lost (nothing fired), or empty."""
-
-
 class Firer:
     """Runs batches of due timers for the engine's shard runners."""
 
@@ -101,7 +90,7 @@ class Firer:
         conf: DurableSettings,
         clock: Clock,
         registry: HandlerRegistry,
-        executor: Executor,
+        pool: HandlerPool,
         inbox: queue.SimpleQueue[Readd],
         resolvers: dict[str, Callable[[str], HandlerSpec]] | None = None,
         metrics: WorkerMetrics | None = None,
@@ -109,62 +98,133 @@ class Firer:
         self.db = db
         self.conf = conf
         self.clock = clock
-        self.executor = executor
         self.inbox = inbox
         self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
         self.metrics = metrics
-        self._in_flight = 0  # external handlers submitted and not completed
-        # DISPATCH = "kombu": these kinds are claimed and shipped to executor processes.
-        self.shipped = executors.SHIPPED_KINDS if conf.DISPATCH == "kombu" else frozenset()
-        self._lock = threading.Lock()
+        self.outcomes = Outcomes(db=db, conf=conf, metrics=metrics)
+        self.external = ExternalRunner(
+            db=db,
+            conf=conf,
+            clock=clock,
+            pool=pool,
+            inbox=inbox,
+            outcomes=self.outcomes,
+            metrics=metrics,
+        )
+        self.deadlines = Deadlines()
+        self.quarantined: set[int] = set()
+        """Timers whose bookkeeping failed even alone: not fired again by this process."""
 
     @property
     def in_flight(self) -> int:
-        """External handlers submitted to the executor and not yet completed."""
-        with self._lock:
-            return self._in_flight
+        """External handlers submitted and not yet completed."""
+        return self.external.in_flight
 
     # -- batches -------------------------------------------------------------------------
 
     def fire(self, work: Work) -> dict[int, BatchOutcome]:
-        """Fire one batch: due ids of one or more shards, in one fenced transaction.
+        """Fire one batch: due ids of one or more shards; return an outcome per shard.
 
         Firing the due timers of many shards together is what keeps lateness low at a
         steady rate: with 64 shards, a turn finds a timer or two in most of them, and a
         transaction per shard would pay a commit (a WAL flush) for each. Keep a batch to
-        ``BATCH_SIZE`` ids in all (see :func:`pack`). Returns an outcome per shard; a
-        shard whose lease was lost gets one with ``lost`` set (nothing of it fired), and
-        the other shards of the batch still fire.
+        ``BATCH_SIZE`` ids in all (see :func:`pack`). A shard whose lease was lost gets an
+        outcome with ``lost`` set (nothing of it fired), and the other shards still fire.
+        Suspects (see :mod:`durable.storage.claims`) fire after the rest, one per batch.
         """
+        work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
         work = [(runner, ids) for runner, ids in work if ids]
-        lost: dict[int, str] = {}
         outcomes: dict[int, BatchOutcome] = {}
+        lost: dict[int, str] = {}
+        counted = self._count(work, lost)
+        work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
+        alone = [
+            [(runner, [timer_id])]
+            for runner, ids in work
+            for timer_id in ids
+            if timer_id in counted.suspects
+        ]
+        rest = [(r, [i for i in ids if i not in counted.suspects]) for r, ids in work]
+        for part in [rest, *alone]:
+            part = [(runner, ids) for runner, ids in part if ids and runner.shard not in lost]
+            for shard, outcome in self._fire_contained(part, counted.ids, lost).items():
+                merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
+        return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
+
+    def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
+        """Count the attempts of the work's due timers, committed before any runs.
+
+        Shards found lost are added to ``lost`` and counted without.
+        """
+        while work:
+            tokens = {runner.shard: runner.token for runner, _ in work}
+            ids = [timer_id for _, chunk in work for timer_id in chunk]
+            with transaction.atomic(using=self.db):
+                counted = claims.count_attempts(self.db, tokens, ids, self.clock.now_ms())
+            if not counted.stale:
+                return counted
+            for shard, current in counted.stale.items():
+                lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
+            work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
+        return claims.Counted()
+
+    def _fire_contained(
+        self, work: Work, counted: set[int], lost: dict[int, str]
+    ) -> dict[int, BatchOutcome]:
+        """:meth:`_fire_batch`; an error of the batch's own (not a handler's: a database
+        error in durable's bookkeeping, say) splits the batch, and a timer whose firing
+        fails even alone is dead-lettered (or, failing that, set aside)."""
+        if not work:
+            return {}
+        try:
+            return self._fire_batch(work, counted, lost)
+        except (OperationalError, InterfaceError):
+            raise  # the database is unreachable: the engine reconnects
+        except Exception as exc:  # a value the bookkeeping cannot store, say
+            ids = [(runner, timer_id) for runner, chunk in work for timer_id in chunk]
+            if len(ids) > 1:
+                outcomes: dict[int, BatchOutcome] = {}
+                for runner, timer_id in ids:
+                    for shard, out in self._fire_contained(
+                        [(runner, [timer_id])], counted, lost
+                    ).items():
+                        merge(outcomes.setdefault(shard, BatchOutcome()), out)
+                return outcomes
+            runner, timer_id = ids[0]
+            self._give_up(runner, timer_id, exc)
+            return {runner.shard: BatchOutcome()}
+
+    def _fire_batch(
+        self, work: Work, counted: set[int], lost: dict[int, str]
+    ) -> dict[int, BatchOutcome]:
+        """One fenced transaction (redone carefully, or without lost shards, as needed)."""
         while work:
             try:
                 try:
-                    outcomes, announced = self._batch(work)
+                    outcomes, announced = self._batch(work, counted)
                 except _Rollback as failed:
                     # The careful redo records the known failure without calling that
                     # handler again; those before it run again (first effects rolled back).
-                    outcomes, announced = self._batch(work, failed={failed.timer_id: failed.error})
+                    failure = {failed.timer_id: failed.error}
+                    outcomes, announced = self._batch(work, counted, failed=failure)
                 except DeferredPublishError as exc:
                     # Some messages may have gone out: the careful redo sends them again
                     # (at least once; the task ids are the same).
                     event(log, logging.WARNING, "batch.publish_failed", error=str(exc))
-                    outcomes, announced = self._batch(work, failed={})
+                    outcomes, announced = self._batch(work, counted, failed={})
                 except kinds.RedoCarefully:
-                    outcomes, announced = self._batch(work, failed={})
+                    outcomes, announced = self._batch(work, counted, failed={})
             except _Fenced as fenced:
                 for shard, current in fenced.stale.items():
                     lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
                 work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
                 continue
             self._after_commit({runner.shard: runner for runner, _ in work}, outcomes, announced)
-            break
-        return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
+            return outcomes
+        return {}
 
     def _batch(
-        self, work: Work, *, failed: dict[int, Exception] | None = None
+        self, work: Work, counted: set[int], *, failed: dict[int, BaseException] | None = None
     ) -> tuple[dict[int, BatchOutcome], Announced]:
         """One fenced transaction. ``failed`` set means careful mode: a savepoint per handler."""
         runners = {runner.shard: runner for runner, _ in work}
@@ -172,6 +232,7 @@ class Firer:
         ids = [timer_id for _, chunk in work for timer_id in chunk]
         now_ms = self.clock.now_ms()
         deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
+        free = self.external.free
         with transaction.atomic(using=self.db), collecting() as announced:
             tokens = {shard: runner.token for shard, runner in runners.items()}
             stale, due = store.fence_and_lock_due(self.db, tokens, ids, now_ms)
@@ -183,7 +244,9 @@ class Firer:
             # so that a failure is pinned on its own timer.
             fast = failed is None
             batch = kinds.FiringBatch(
-                now_ms=now_ms, claim_until_ms=now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000)
+                now_ms=now_ms,
+                claim_until_ms=now_ms + int(self.conf.CLAIM_TIMEOUT_S * 1000),
+                tokens=tokens,
             )
             with (
                 publishers.deferred() if fast else contextlib.nullcontext(),
@@ -191,78 +254,109 @@ class Firer:
             ):
                 for timer in due:
                     out = outcomes[timer.shard]
-                    if time.monotonic() > deadline:
+                    if timer.id not in counted:
+                        self._uncounted(timer, out)
+                    elif time.monotonic() > deadline:
                         out.leftover.append(timer)  # budget spent: next batch takes it
-                        continue
-                    out.lateness_ms.append(now_ms - timer.fire_at_ms)
-                    self._run_one(timer, now_ms, runners[timer.shard].token, failed, out)
-                # A batch that only claimed commits asynchronously (see store.claim).
-                batch.only_claims = not any(o.fired or o.errors for o in outcomes.values())
-            self._record(runners, outcomes, batch)
+                    else:
+                        out.lateness_ms.append(now_ms - timer.fire_at_ms)
+                        if self._run_one(timer, now_ms, tokens[timer.shard], failed, out, free):
+                            batch.sent.add(timer.id)
+                            free -= 1
+                # With ASYNC_COMMIT, a batch that only claimed commits asynchronously
+                # (see store.claim); by default every batch commits synchronously.
+                batch.only_claims = self.conf.ASYNC_COMMIT and not any(
+                    o.fired or o.errors for o in outcomes.values()
+                )
+            self._record(runners, outcomes, batch, counted)
         return outcomes, announced
+
+    def _uncounted(self, timer: store.DueTimer, out: BatchOutcome) -> None:
+        """A due timer whose attempt was not counted: all used up, or it came due since."""
+        if timer.attempts >= timer.max_attempts:
+            error = AttemptsExhausted(
+                f"attempt {timer.attempts} of {timer.max_attempts} started and never finished "
+                "(its worker died, hung past its timeout, or lost the shard)",
+                timer=timer.id,
+            )
+            out.errors.append((timer, error))
+        else:
+            out.leftover.append(timer)
 
     def _run_one(
         self,
         timer: store.DueTimer,
         now_ms: int,
         token: int,
-        failed: dict[int, Exception] | None,
+        failed: dict[int, BaseException] | None,
         out: BatchOutcome,
-    ) -> None:
+        free: int,
+    ) -> bool:
+        """Run one counted timer, or take it for the executor (then return True)."""
         try:
             spec = self._resolve(timer)
         except Exception as exc:  # unknown handler, unknown kind: retried, then dead letter
             out.errors.append((timer, exc))
-            return
-        if not spec.atomic or timer.kind in self.shipped:
-            out.external.append(timer)
-            return
-        ctx = _context(timer, timer.attempts + 1, now_ms, token, self.metrics)
+            return False
+        if not spec.atomic or timer.kind in self.external.shipped:
+            if free <= 0:
+                out.leftover.append(timer)  # no free thread: it waits in the wheel
+                return False
+            out.external.append((timer, spec))
+            return True
+        ctx = _context(timer, now_ms, token, self.metrics)
+        timeout = spec.timeout if spec.timeout is not None else self.conf.ATOMIC_TIMEOUT_S
+        timeout = min(timeout, self.conf.LEASE_TTL_S / 2)  # it holds the loop: keep leases
         if failed is None:
             try:
-                with firing(ctx):
+                with firing(ctx), self.deadlines.limit(timeout):
                     out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
             except kinds.RedoCarefully:
                 raise
-            except Exception as exc:
-                raise _Rollback(timer.id, exc) from exc
-            return
+            except BaseException as exc:  # any failure is this timer's: redo carefully
+                raise _Rollback(timer.id, HandlerAborted.contain(exc)) from exc
+            return False
         if timer.id in failed:
             out.errors.append((timer, failed[timer.id]))
-            return
+            return False
         try:
-            with transaction.atomic(using=self.db), firing(ctx):
+            with transaction.atomic(using=self.db), firing(ctx), self.deadlines.limit(timeout):
                 out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
-        except Exception as exc:
-            out.errors.append((timer, exc))
+        except BaseException as exc:  # its savepoint rolled its own effects back
+            out.errors.append((timer, HandlerAborted.contain(exc)))
+        return False
 
     def _record(
         self,
         runners: dict[int, ShardRunner],
         outcomes: dict[int, BatchOutcome],
         batch: kinds.FiringBatch,
+        counted: set[int],
     ) -> None:
         now_ms = batch.now_ms
         fired = [pair for out in outcomes.values() for pair in out.fired]
-        results = {t.id: _json_value(v) for t, v in fired if t.on_complete}
-        tokens = {shard: runner.token for shard, runner in runners.items()}
+        results = {t.id: json_value(v) for t, v in fired if t.on_complete}
         # fired_at is when the batch's handlers were done (and its publishes flushed),
         # not when it started: the row then says when the fire took effect.
         done_ms = self.clock.now_ms()
-        store.mark_fired(self.db, [t.id for t, _ in fired], tokens, done_ms, results)
+        store.mark_fired(self.db, [t.id for t, _ in fired], batch.tokens, done_ms, results)
         external: list[int] = []
+        leftover: list[int] = []
         for shard, out in outcomes.items():
             for timer, _ in out.fired:
                 if timer.on_complete:
-                    self._followup(
-                        timer, {"status": "success", "value": results[timer.id]}, now_ms, out
-                    )
+                    success = {"status": "success", "value": results[timer.id]}
+                    self.outcomes.followup(timer, success, now_ms, out.readd)
+            token = runners[shard].token
             for timer, exc in out.errors:
-                token = runners[shard].token
-                self._retry_or_fail(timer, timer.attempts + 1, token, exc, now_ms, out.readd)
-            external.extend(t.id for t in out.external if t.id not in batch.claimed)
+                self.outcomes.retry_or_fail(timer, timer.attempts, token, exc, now_ms, out.readd)
+            external.extend(t.id for t, _ in out.external if t.id not in batch.claimed)
+            leftover.extend(t.id for t in out.leftover if t.id in counted)
+        # Timers left for later were counted, not run: give their attempt back.
+        claims.uncount(self.db, leftover)
         if external:
-            store.claim(self.db, external, batch.claim_until_ms, durable=not batch.only_claims)
+            durable = not batch.only_claims
+            store.claim(self.db, external, batch.tokens, batch.claim_until_ms, durable=durable)
 
     def _after_commit(
         self,
@@ -283,69 +377,17 @@ class Firer:
             runner = by_shard[shard]
             for timer in out.leftover:
                 runner.add(timer.id, timer.fire_at_ms)
-            for timer in out.external:
-                with self._lock:
-                    self._in_flight += 1
-                run = self._ship if timer.kind in self.shipped else self._run_external
-                self.executor.submit(run, shard, runner.token, timer)
+            for timer, spec in out.external:
+                self.external.submit(shard, runner.token, timer, spec)
             for timer, exc in out.errors:
-                event(
-                    log,
-                    logging.WARNING,
-                    "timer.error",
-                    timer=timer.id,
-                    target=timer.target,
-                    attempt=timer.attempts + 1,
-                    error=sanitize_error(exc),
-                )
+                self.outcomes.log_error(timer, timer.attempts, exc, count=False)
 
-    # -- retries and follow-ups ---------------------------------------------------------
-
-    def _retry_or_fail(
-        self,
-        timer: store.DueTimer,
-        attempts: int,
-        token: int,
-        exc: BaseException,
-        now_ms: int,
-        readd: list[Readd],
-    ) -> None:
-        error = sanitize_error(exc)
-        if attempts < timer.max_attempts:
-            backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
-            fire_at = now_ms + backoff.delay_ms(attempts)
-            store.mark_retry(self.db, timer, attempts, fire_at, self.conf.BUCKET_SHIFT, error)
-            readd.append((timer.shard, timer.id, fire_at))
-            return
-        store.mark_failed(self.db, timer, attempts, token, now_ms, error)
-        if self.metrics is not None:
-            self.metrics.on_dead_letter(timer.shard)
-        event(
-            log,
-            logging.ERROR,
-            "timer.dead_letter",
-            timer=timer.id,
-            target=timer.target,
-            attempts=attempts,
-            error=error,
-        )
-        if timer.on_complete:
-            self._followup(timer, {"status": "failed", "error": error}, now_ms, readd)
-
-    def _followup(
-        self,
-        timer: store.DueTimer,
-        result: dict[str, Any],
-        now_ms: int,
-        out: BatchOutcome | list[Readd],
-    ) -> None:
-        from durable.storage.timers import create_followup
-
-        follow = create_followup(timer, result, now_ms, using=self.db)
-        if follow is None:
-            return
-        readd = out.readd if isinstance(out, BatchOutcome) else out
-        readd.append((follow.shard, follow.pk, follow.fire_at_ms))
+    def _give_up(self, runner: ShardRunner, timer_id: int, exc: Exception) -> None:
+        """Dead-letter a timer whose firing failed alone on an error of its own; if even
+        that fails, set it aside for this process's life."""
+        now_ms = self.clock.now_ms()
+        if not self.outcomes.give_up(runner.shard, runner.token, timer_id, exc, now_ms):
+            self.quarantined.add(timer_id)
 
     def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
         try:
@@ -354,134 +396,15 @@ class Firer:
             raise LookupError(f"no dispatcher for timer kind {timer.kind!r}") from None
         return resolver(timer.target)
 
-    # -- external handlers (executor threads) -------------------------------------------
 
-    def _run_external(self, shard: int, token: int, timer: store.DueTimer) -> None:
-        attempt = timer.attempts + 1
-        readd: list[Readd] = []
-        try:
-            spec = self._resolve(timer)
-            now_ms = self.clock.now_ms()
-            ctx = _context(timer, attempt, now_ms, token, self.metrics)
-            try:
-                with firing(ctx):
-                    value: Any = spec.fn(*timer.args, **timer.kwargs)
-                error: BaseException | None = None
-            except Exception as exc:
-                value, error = None, exc
-            if error is None and ctx.completed and not timer.on_complete:
-                return  # the handler's last transaction marked the timer fired
-            self._complete_external(shard, token, timer, attempt, value, error, readd)
-        except LeaseLost as exc:
-            event(
-                log,
-                logging.WARNING,
-                "timer.complete_fenced",
-                timer=timer.id,
-                shard=shard,
-                reason=str(exc),
-            )
-        except Exception:
-            log.exception("external handler completion failed for timer %s", timer.id)
-        finally:
-            for item in readd:
-                self.inbox.put(item)
-            with self._lock:
-                self._in_flight -= 1
-            close_old_connections()
-
-    def _ship(self, shard: int, token: int, timer: store.DueTimer) -> None:
-        """Send a claimed timer to the executors; a failed publish is a failed attempt."""
-        attempt = timer.attempts + 1
-        readd: list[Readd] = []
-        shipment = executors.Shipment(timer_id=timer.id, attempt=attempt, shard=shard, token=token)
-        try:
-            executors.ship(shipment, self.conf.BROKER_URL)
-        except Exception as exc:  # broker down: retried with backoff, never lost
-            try:
-                self._complete_external(shard, token, timer, attempt, None, exc, readd)
-            except Exception:
-                log.exception("recording the failed shipment of timer %s failed", timer.id)
-        finally:
-            for item in readd:
-                self.inbox.put(item)
-            with self._lock:
-                self._in_flight -= 1
-            close_old_connections()
-
-    def _complete_external(
-        self,
-        shard: int,
-        token: int,
-        timer: store.DueTimer,
-        attempt: int,
-        value: Any,
-        error: BaseException | None,
-        readd: list[Readd],
-    ) -> None:
-        now_ms = self.clock.now_ms()
-        with transaction.atomic(using=self.db):
-            fence(self.db, shard, token)
-            if not store.still_claimed(self.db, timer.id, attempt):
-                return  # cancelled, or reclaimed after our claim expired
-            if error is not None:
-                self._retry_or_fail(timer, attempt, token, error, now_ms, readd)
-                return
-            result = _json_value(value) if timer.on_complete else None
-            store.mark_fired(
-                self.db,
-                [timer.id],
-                {shard: token},
-                now_ms,
-                {timer.id: result} if result else None,
-            )
-            if timer.on_complete:
-                self._followup(timer, {"status": "success", "value": result}, now_ms, readd)
-
-
-def pack(work: Work, size: int) -> list[Work]:
-    """Cut the due ids of many shards into batches of at most ``size`` ids in all.
-
-    Shards keep their order and each shard's ids stay oldest first; a shard with more
-    than ``size`` due ids is split across consecutive batches.
-    """
-    batches: list[Work] = []
-    current: list[tuple[ShardRunner, Sequence[int]]] = []
-    room = size
-    for runner, ids in work:
-        start = 0
-        while start < len(ids):
-            take = ids[start : start + room]
-            current.append((runner, take))
-            start += len(take)
-            room -= len(take)
-            if room == 0:
-                batches.append(current)
-                current, room = [], size
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _context(
-    timer: store.DueTimer, attempt: int, now_ms: int, token: int, metrics: Any = None
-) -> FireContext:
+def _context(timer: store.DueTimer, now_ms: int, token: int, metrics: Any = None) -> FireContext:
     return FireContext(
         timer_id=timer.id,
         key=timer.key,
-        attempt=attempt,
+        attempt=timer.attempts,
         scheduled_ms=timer.fire_at_ms,
         fired_ms=now_ms,
         shard=timer.shard,
         token=token,
         metrics=metrics,
     )
-
-
-def _json_value(value: Any) -> Any:
-    """The handler's return value if it is JSON, else None (results must stay storable)."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return None
-    return value

@@ -110,8 +110,9 @@ class InlineBatch:
         self.handover: dict[str, RunSnapshot] = {}
         """Runs whose replay needs the executor, as read."""
         self.sent: set[str] = set()
-        """Runs whose timer the firer sent the usual way (those of ``handover`` among them
-        are marked running by the batch and handed over)."""
+        """Runs a timer of which the firer sent to the executor (those of ``handover``
+        among them are marked running by the batch and handed over); known at
+        :meth:`write`, from ``FiringBatch.sent``."""
         self.fired: set[str] = set()
         """Runs whose timer the firer has run (a timer left for the next batch has not)."""
 
@@ -134,13 +135,16 @@ class InlineBatch:
         ends = [b.end for b in backends if b.end is not None]
         now = current_clock().now_ms()
         wakeups.write_ends(db, ends, now)
+        sent = [timer for timer in timers if timer.id in firing.sent]
+        self.sent = {timer.target for timer in sent}
         handed = list(self.handed_over())
         firing.claimed |= wakeups.mark_running(
             db,
             handed,
             now,
-            _lone_timers(timers, handed),
+            _lone_timers(sent, handed),
             firing.claim_until_ms,
+            firing.tokens,
             lazy=firing.only_claims,
         )
         for backend in backends:
@@ -159,9 +163,7 @@ def _lone_timers(timers: Sequence[Any], run_ids: Sequence[str]) -> list[int]:
     """The timers of ``timers`` that are their run's only one in the batch, for ``run_ids``.
 
     A handed-over run's timer went to the executor; it is claimed with its run marked
-    running. A run with two timers in the batch is left to the firer's claim: one of
-    them may have been left for the next batch (time budget), and ``sent`` says only
-    that some timer of the run was sent.
+    running. A run with two timers sent in the batch is left to the firer's claim.
     """
     wanted = set(run_ids)
     per_run: dict[str, list[int]] = {}

@@ -23,6 +23,7 @@ is never replayed by two threads at once and that no wake-up is lost to a busy r
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,12 +36,19 @@ from django.db import models, transaction
 from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
+from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire
-from durable.dispatch.kinds import FiringBatch, register_batch_scope, register_kind
+from durable.dispatch.kinds import (
+    FiringBatch,
+    register_batch_scope,
+    register_dead_letter,
+    register_kind,
+)
 from durable.dispatch.registry import HandlerSpec
 from durable.exceptions import WorkflowError
 from durable.models import WorkflowState
 from durable.storage import checkpoints as cp
+from durable.storage import workflows as store
 from durable.storage.leases import fence
 from durable.workflows.backend import DatabaseBackend, event
 from durable.workflows.context import WorkflowContext
@@ -69,11 +77,17 @@ class WorkflowKind:
         one that resumes the run on the executor, outside the batch transaction.
         """
         batch: InlineBatch | None = getattr(self._local, "batch", None)
-        if batch is not None:
-            if run_id in batch.backends:
-                return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
-            batch.sent.add(run_id)
-        return HandlerSpec(name=f"workflow:{run_id}", fn=partial(self.resume, run_id), atomic=False)
+        if batch is not None and run_id in batch.backends:
+            return HandlerSpec(name=f"workflow:{run_id}", fn=partial(batch.fire, run_id))
+        # No deadline for a whole replay: its steps may run long by design, and an
+        # abandoned replay would keep its run's guard. The claim timeout still covers a
+        # replay that never returns.
+        return HandlerSpec(
+            name=f"workflow:{run_id}",
+            fn=partial(self.resume, run_id),
+            atomic=False,
+            timeout=math.inf,
+        )
 
     @contextmanager
     def batch_scope(self, db: str, timers: Sequence[Any], firing: FiringBatch) -> Iterator[None]:
@@ -200,6 +214,22 @@ def _bound(snapshot: cp.RunSnapshot) -> Any:
         ) from None
 
 
+def fail_run(db: str, timer: Any, error: str, now_ms: int) -> None:
+    """The workflow kind's dead-letter hook: a run whose wake-up timer used up its
+    attempts (its replay kept crashing or hanging its worker, say) fails, rather than
+    stay ``running`` with nothing left to wake it; its parent, if any, is woken."""
+    text = f"its wake-up timer {timer.id} was dead-lettered: {error}"[:500]
+    ended = cp.fail_unfinished(db, timer.target, text, now_ms)
+    if ended is None:
+        return
+    event(logging.ERROR, "workflow.failed", run=timer.target, error=text)
+    parent = ended
+    if parent:
+        key = store.wake_key(parent, "child", timer.target)
+        store.ensure_wake(db, parent, shard_for(parent, get_settings().SHARDS), key, now_ms, now_ms)
+
+
 kind = WorkflowKind()
 register_kind("workflow", kind.resolve)
 register_batch_scope("workflow", kind.batch_scope)
+register_dead_letter("workflow", fail_run)

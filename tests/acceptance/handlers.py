@@ -39,3 +39,11 @@ def record_externally_slowly(key: str, marker: str, seconds: float) -> str:
     fired_ms = time.time_ns() // 1_000_000
     FireRecord.objects.create(key=key, fired_at_ms=fired_ms, due_at_ms=ctx.scheduled_ms)
     return key
+
+
+@durable.handler(atomic=False)
+def outside_pause(key: str, seconds: float) -> str:
+    """An outside-effect handler (default policy) that takes ``seconds``, then records."""
+    time.sleep(seconds)
+    FireRecord.objects.create(key=key, fired_at_ms=time.time_ns() // 1_000_000)
+    return key

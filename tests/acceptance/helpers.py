@@ -115,17 +115,29 @@ class Worker:
 class WorkerPool:
     """Starts workers against one database and stops every one of them at the end."""
 
-    def __init__(self, *, database_url: str, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        *,
+        database_url: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        defaults: bool = False,
+    ):
+        """``defaults``: the workers run durable's default settings (no tuning for tests)."""
         self.database_url = database_url
         self.log_dir = log_dir
-        self.env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "testproject.settings",
-            "DATABASE_URL": database_url,
+        tuning = {
             "DURABLE_SHARDS": str(SHARDS),
             "DURABLE_LEASE_TTL_S": str(LEASE_TTL_S),
             "DURABLE_RESCAN_INTERVAL_S": str(RESCAN_INTERVAL_S),
             "DURABLE_BATCH_TIME_BUDGET_S": str(BATCH_TIME_BUDGET_S),
+        }
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("DURABLE_")}
+        self.env = {
+            **inherited,
+            "DJANGO_SETTINGS_MODULE": "testproject.settings",
+            "DATABASE_URL": database_url,
+            **({} if defaults else tuning),
             "DURABLE_LOG_LEVEL": "INFO",
             # The handlers and workflows these tests fire live under tests/, not in an app.
             "DURABLE_IMPORTS": "tests.acceptance.handlers,tests.acceptance.workflows",

@@ -77,3 +77,18 @@ def three_steps(ctx, index):
     value = ctx.step(double, value)
     ctx.atomic(record, f"w{index}")
     return value
+
+
+def pause(value: int, seconds: float) -> int:
+    """An outside step that takes ``seconds``."""
+    time.sleep(seconds)
+    return value
+
+
+@durable.workflow
+def two_pauses(ctx, index, seconds):
+    """Two outside steps of ``seconds`` each, then an atomic record of ``s<index>``."""
+    ctx.step(pause, index, seconds)
+    ctx.step(pause, index, seconds)
+    ctx.atomic(record, f"s{index}")
+    return index

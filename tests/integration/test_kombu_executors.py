@@ -27,11 +27,11 @@ from durable.dispatch.executors import (
     Shipment,
     ship,
 )
-from durable.models import Timer
+from durable.models import ShardLease, Timer
+from durable.storage import claims
 from durable.storage import firing as store
 from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
-from durable.worker.firer import Firer
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
@@ -58,11 +58,17 @@ def consumer(clock):
 
 
 def claim_and_ship(timer: Timer, clock: ManualClock) -> Shipment:
-    """The worker's part: lock the due row, claim it, commit, ship a pointer to it."""
+    """The worker's part: count the attempt, lock the due row, claim it, commit, ship a
+    pointer to it."""
+    tokens = {timer.shard: TOKEN}
+    ShardLease.objects.update_or_create(shard=timer.shard, defaults={"token": TOKEN})
+    with transaction.atomic():
+        counted = claims.count_attempts("default", tokens, [timer.pk], clock.now_ms())
+        assert counted.ids == {timer.pk}, counted
     with transaction.atomic():
         [due] = store.lock_due("default", [timer.shard], [timer.pk], clock.now_ms())
-        store.claim("default", [due.id], clock.now_ms() + 300_000)
-    shipment = Shipment(timer_id=timer.pk, attempt=due.attempts + 1, shard=due.shard, token=TOKEN)
+        store.claim("default", [due.id], tokens, clock.now_ms() + 300_000)
+    shipment = Shipment(timer_id=timer.pk, attempt=due.attempts, shard=due.shard, token=TOKEN)
     ship(shipment, MEMORY)
     return shipment
 
@@ -144,12 +150,6 @@ def test_malformed_messages_are_rejected(consumer, clock):
         Shipment.from_json({"timer_id": 1, "attempt": 1, "shard": 0, "token": True})
 
 
-needs_hook = pytest.mark.skipif(
-    not hasattr(Firer, "_ship"),
-    reason="the firer does not ship to executors yet (DISPATCH=kombu firer hook pending)",
-)
-
-
 def _turns(engine, clock, done, turns=200):
     """Advance 100 ms per turn until ``done()`` (the executor threads work meanwhile)."""
     while not done() and turns:
@@ -159,7 +159,6 @@ def _turns(engine, clock, done, turns=200):
         time.sleep(0.02)
 
 
-@needs_hook
 def test_engine_ships_and_an_embedded_executor_completes(clock):
     engine = Engine(node="test-node", clock=clock, threads=2)
     engine.start()
@@ -173,7 +172,6 @@ def test_engine_ships_and_an_embedded_executor_completes(clock):
         engine.shutdown(wait_s=5)
 
 
-@needs_hook
 def test_a_failed_shipment_is_a_failed_attempt_retried_later(clock, settings):
     settings.DURABLE = {**settings.DURABLE, "BROKER_URL": "redis://127.0.0.1:1/0"}
     engine = Engine(node="test-node", clock=clock, threads=2)
@@ -193,3 +191,27 @@ def test_a_failed_shipment_is_a_failed_attempt_retried_later(clock, settings):
         assert row.fire_at_ms > timer.fire_at_ms and keys() == []
     finally:
         engine.shutdown(wait_s=5)
+
+
+def test_an_error_the_bookkeeping_meets_every_time_is_recorded_not_requeued(consumer, clock):
+    # A retry time that does not fit the column: recording the failure fails the same
+    # way each time. The message must not loop through the queue (it was requeued
+    # forever, hundreds of times a second); the timer is dead-lettered with the error.
+    timer = durable.schedule(probes.fail_until, args=["bk", 9])
+    Timer.objects.filter(pk=timer.pk).update(backoff_base_s=1e300, backoff_max_s=1e300)
+    claim_and_ship(timer, clock)
+    assert consumer.drain() == 1
+    assert consumer.drain() == 0, "the message came back"
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.state == "failed"
+    assert row.last_error.startswith("executing it failed outside its handler:")
+
+
+def test_a_base_exception_in_an_executed_handler_fails_the_attempt(consumer, clock):
+    from testproject.demo import poison
+
+    timer = durable.schedule(poison.external_poison, args=["SystemExit"])
+    claim_and_ship(timer, clock)
+    assert consumer.drain() == 1 and consumer.outcomes[RETRY] == 1
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.state == "pending" and "HandlerAborted" in row.last_error

@@ -25,6 +25,10 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md
 # (key, bad value, check id): the values of issue 18 first, then one bad value per key
 # of every kind a rule can refuse (wrong type, bool for a number, out of range, empty).
 BAD = [
+    ("ASYNC_COMMIT", 1, "durable.E003"),
+    ("ATOMIC_TIMEOUT_S", 0, "durable.E003"),
+    ("HANDLER_TIMEOUT_S", float("nan"), "durable.E003"),
+    ("SHUTDOWN_GRACE_S", -1, "durable.E003"),
     ("IMPORTS", "myapp.tasks", "durable.E003"),
     ("LEASE_TTL_S", -1, "durable.E003"),
     ("LEASE_TTL_S", "10", "durable.E003"),

@@ -17,8 +17,8 @@ from django.test.utils import CaptureQueriesContext
 import durable
 from durable.core.sharding import shard_of_timer
 from durable.models import ShardLease, Timer, WorkerNode
+from durable.worker.batches import pack
 from durable.worker.engine import Engine
-from durable.worker.firer import pack
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
@@ -275,10 +275,13 @@ def test_due_timers_of_several_shards_fire_in_one_fenced_transaction(engine, clo
     sql = [q["sql"] for q in queries.captured_queries]
     fences = [s for s in sql if "FROM durable_shardlease WHERE shard" in s]
     marks = [s for s in sql if s.startswith("UPDATE durable_timer SET state")]
-    assert len(fences) == 1 and len(marks) == 1, "one batch: one fence, one UPDATE"
+    # One batch: its attempts counted (fenced) and committed first, then one fenced
+    # transaction that runs the handlers and marks them all fired in one UPDATE.
+    assert len(fences) == 2 and len(marks) == 1, sql
     assert keys("spread") == sorted(k for ks in spread.values() for k in ks)
     for timer in Timer.objects.all():  # each row carries its own shard's token
         assert timer.fired_token == engine.runners[timer.shard].token
+        assert (timer.attempts, timer.claim_token) == (1, None)
 
 
 def test_a_lost_shard_leaves_the_rest_of_its_batch_firing(engine, clock):

@@ -1,0 +1,152 @@
+"""Attempts counted before a handler runs, and claims that belong to a lease token.
+
+Two promises of DESIGN §5b and §12 live here:
+
+- **An attempt is counted before its handler runs.** :func:`count_attempts` commits
+  ``attempts + 1`` for a batch's due timers in a short transaction of its own, before
+  the batch transaction that runs them. A handler that takes its process down
+  (``os._exit``, a segfault, the OOM killer) has then used up an attempt all the same,
+  and a row that comes due again with every attempt used is dead-lettered instead of
+  run: a poison timer takes down at most ``max_attempts`` worker processes in the whole
+  cluster. That transaction commits asynchronously on PostgreSQL: the server keeps it
+  however the worker dies; only a crash of the database server itself can take the
+  count back (and then the timer runs once more than ``max_attempts``).
+- **A claim belongs to the token it was made under.** A claimed (``firing``) row
+  records ``claim_token``. When a worker takes a shard over, it re-runs at once the
+  claims of older tokens (:func:`release_stale_claims`): their worker is gone or has
+  lost the shard, so waiting for ``CLAIM_TIMEOUT_S`` would only delay them. The old
+  owner's late completion is still refused: it is fenced by its stale token, and the
+  row has moved on to another attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from django.db import connections
+
+from durable.models import TimerState
+from durable.storage import statements
+from durable.storage.firing import LAZY_COMMIT, due_where, token_by_shard
+from durable.storage.leases import fence_shards, ms_to_dt
+
+_FIRING = TimerState.FIRING.value
+_PENDING = TimerState.PENDING.value
+_FAILED = TimerState.FAILED.value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Counted:
+    """What :func:`count_attempts` did."""
+
+    stale: dict[int, int | None] = field(default_factory=dict)
+    """Shards whose lease is no longer ours (then nothing was counted)."""
+    ids: set[int] = field(default_factory=set)
+    """Timers whose attempt was counted: the batch may run them."""
+    suspects: set[int] = field(default_factory=set)
+    """Of ``ids``, pending timers whose previous attempt never recorded an outcome: the
+    firer runs each alone, so a handler that kills its process costs no neighbour an
+    attempt again."""
+
+
+def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:
+    """Count an attempt for each of ``ids`` that may fire now, under the lease ``tokens``.
+
+    Run in a transaction of its own, committed before the handlers run. Fenced like the
+    batch: a stale shard means nothing is counted. Rows with every attempt used are not
+    counted: the firer dead-letters them. Each counted row records the token its attempt
+    started under in ``claim_token`` (every outcome clears it), so a pending row found
+    with one set is a *suspect*: an attempt of it started and never recorded an outcome,
+    most likely because it took its worker down. On PostgreSQL one statement, committed
+    asynchronously.
+    """
+    conn = connections[db]
+    shards = sorted(tokens)
+    where, params = due_where(conn.vendor, shards, ids, now_ms)
+    token_of_shard, token_params = token_by_shard(conn.vendor, tokens)
+    select = (
+        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect FROM durable_timer "
+        f"WHERE {where} AND attempts < max_attempts"
+    )
+    update = f"UPDATE durable_timer SET attempts = attempts + 1, claim_token = {token_of_shard}"
+    if conn.vendor != "postgresql":
+        stale = fence_shards(db, tokens)
+        if stale:
+            return Counted(stale=stale)
+        with statements.cursor(db) as cursor:
+            cursor.execute(select, [_PENDING, *params])
+            rows = cursor.fetchall()
+            if rows:
+                marks = ", ".join(["%s"] * len(rows))
+                cursor.execute(
+                    f"{update} WHERE id IN ({marks})", [*token_params, *(r[0] for r in rows)]
+                )
+        return Counted(ids={r[0] for r in rows}, suspects={r[0] for r in rows if r[1]})
+    shard_array = statements.int_array(shards)
+    tokens_array = statements.int_array(tokens[shard] for shard in shards)
+    sql = (
+        "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
+        "WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE), "
+        "fenced AS MATERIALIZED (SELECT NOT EXISTS (SELECT 1 FROM unnest(%s::integer[], "
+        "%s::bigint[]) AS ours(shard, token) LEFT JOIN lease USING (shard) "
+        "WHERE lease.token IS DISTINCT FROM ours.token) AS ok), "
+        f"due AS MATERIALIZED ({select} AND (SELECT ok FROM fenced) FOR UPDATE), "
+        f"counted AS ({update} FROM due WHERE durable_timer.id = due.id "
+        "RETURNING due.id, due.suspect) "
+        "SELECT (SELECT ok FROM fenced), array(SELECT id FROM counted), "
+        f"array(SELECT id FROM counted WHERE suspect), {LAZY_COMMIT}"
+    )
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            sql, [shard_array, shard_array, tokens_array, _PENDING, *params, *token_params]
+        )
+        ok, counted, suspects, _ = cursor.fetchone()
+    if not ok:
+        return Counted(stale=fence_shards(db, tokens))
+    return Counted(ids=set(counted), suspects=set(suspects))
+
+
+def uncount(db: str, ids: Sequence[int]) -> None:
+    """Give back the attempt counted for ``ids``, which the batch did not run after all."""
+    if not ids:
+        return
+    where, params = statements.in_clause(connections[db].vendor, ids)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET attempts = attempts - 1, claim_token = NULL "
+            f"WHERE {where} AND state = %s",
+            [*params, _PENDING],
+        )
+
+
+def release_stale_claims(db: str, shard: int, token: int, now_ms: int) -> int:
+    """Make ``shard``'s claims of tokens other than ``token`` due now; return how many.
+
+    Called by a new owner right after taking the lease (``token``), before it loads the
+    shard: the rescan of the load then finds them due, and they run again at once.
+    """
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET claim_expires_ms = %s WHERE shard = %s AND state = %s "
+            "AND claim_expires_ms > %s AND (claim_token IS NULL OR claim_token <> %s)",
+            [now_ms, shard, _FIRING, now_ms, token],
+        )
+        return cursor.rowcount
+
+
+def dead_letter(db: str, timer_id: int, token: int, now_ms: int, error: str) -> bool:
+    """Move an unfinished timer to failed with ``error``, by id alone; False if finished.
+
+    For a timer whose firing fails in the database whatever its handler does: its own
+    columns are all this writes, so it succeeds where the firing's bookkeeping did not.
+    """
+    when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET state = %s, fired_token = %s, fired_at = %s, "
+            "updated_at = %s, claim_expires_ms = NULL, claim_token = NULL, last_error = %s "
+            "WHERE id = %s AND state IN (%s, %s)",
+            [_FAILED, token, when, when, error[:500], timer_id, _PENDING, _FIRING],
+        )
+        return cursor.rowcount > 0

@@ -1,0 +1,64 @@
+"""What the firer's batches are made of, and what each one did per shard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from durable.dispatch.registry import HandlerSpec
+from durable.storage import firing as store
+from durable.worker.outcomes import Readd
+from durable.worker.runner import ShardRunner
+
+#: One batch of work: owned shards' runners, each with some of its due ids.
+Work = Sequence[tuple[ShardRunner, Sequence[int]]]
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What one batch did in one shard; the engine turns it into metrics and wheel updates."""
+
+    fired: list[tuple[store.DueTimer, Any]] = field(default_factory=list)
+    errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
+    external: list[tuple[store.DueTimer, HandlerSpec]] = field(default_factory=list)
+    leftover: list[store.DueTimer] = field(default_factory=list)
+    """Due timers the batch did not run (time budget, no free thread): back to the wheel."""
+    readd: list[Readd] = field(default_factory=list)
+    lateness_ms: list[int] = field(default_factory=list)
+    lost: str = ""
+    """Why the shard's lease was found lost (nothing fired), or empty."""
+
+
+def merge(into: BatchOutcome, other: BatchOutcome) -> None:
+    """Add ``other``'s lists to ``into`` (outcomes of one shard from several batches)."""
+    into.fired += other.fired
+    into.errors += other.errors
+    into.external += other.external
+    into.leftover += other.leftover
+    into.readd += other.readd
+    into.lateness_ms += other.lateness_ms
+
+
+def pack(work: Work, size: int) -> list[Work]:
+    """Cut the due ids of many shards into batches of at most ``size`` ids in all.
+
+    Shards keep their order and each shard's ids stay oldest first; a shard with more
+    than ``size`` due ids is split across consecutive batches.
+    """
+    batches: list[Work] = []
+    current: list[tuple[ShardRunner, Sequence[int]]] = []
+    room = size
+    for runner, ids in work:
+        start = 0
+        while start < len(ids):
+            take = ids[start : start + room]
+            current.append((runner, take))
+            start += len(take)
+            room -= len(take)
+            if room == 0:
+                batches.append(current)
+                current, room = [], size
+    if current:
+        batches.append(current)
+    return batches

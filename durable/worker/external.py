@@ -1,0 +1,347 @@
+"""External handlers: run on the worker's handler threads, outside any batch transaction.
+
+A timer whose handler is not atomic (``atomic=False`` handlers, Django tasks, Celery
+publishes, workflow replays, and with ``DISPATCH = "kombu"`` every shipped timer) is
+claimed in the batch transaction, with its attempt already counted
+(:mod:`durable.storage.claims`), and handed to :class:`ExternalRunner` once that commits.
+The runner calls it on a :class:`HandlerPool` thread and completes it in a fenced
+transaction of its own (or the handler completed it in its own last one:
+:func:`durable.storage.firing.complete_claim`).
+
+Poison is contained here as in the batch: a handler that raises anything, a
+``BaseException`` included, fails that one attempt; one that runs past its deadline
+(``timeout=`` of the handler, else ``HANDLER_TIMEOUT_S``) is abandoned by
+:meth:`ExternalRunner.reap`, which records the failed attempt, puts a fresh thread in
+the pool in place of the stuck one, and lets the stuck one's late completion fall on a
+claim that no longer stands. The firer never claims more external work than the pool
+has free threads (:attr:`ExternalRunner.free`): the rest waits in the wheel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import close_old_connections, transaction
+
+from durable.conf import DurableSettings
+from durable.core.clock import Clock
+from durable.dispatch import executors
+from durable.dispatch.context import FireContext, firing
+from durable.dispatch.registry import HandlerSpec
+from durable.exceptions import HandlerAborted, HandlerTimeout, LeaseLost
+from durable.metrics import WorkerMetrics
+from durable.storage import firing as store
+from durable.storage.leases import fence
+from durable.worker.logs import event
+from durable.worker.outcomes import Outcomes, Readd, json_value
+
+log = logging.getLogger("durable.worker")
+
+
+class HandlerPool:
+    """Daemon threads that run submitted calls; a stuck thread can be replaced.
+
+    Daemon threads, so that a handler that never returns cannot keep the process from
+    exiting once the worker has shut down (the executor of the standard library joins
+    its threads at exit).
+    """
+
+    def __init__(self, threads: int, name: str = "durable") -> None:
+        self.size = threads
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._retired: set[threading.Thread] = set()
+        self._started = 0
+        self._closed = False
+        for _ in range(threads):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self._started += 1
+        thread = threading.Thread(
+            target=self._work, name=f"{self.name}_{self._started}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread."""
+        if self._closed:
+            raise RuntimeError("the handler pool is shut down")
+        self._jobs.put((fn, args))
+
+    def replace(self, thread: threading.Thread) -> None:
+        """Start a new thread in place of ``thread``, which is stuck in a call.
+
+        ``thread`` leaves the pool when (if ever) its call returns.
+        """
+        with self._lock:
+            if thread not in self._threads or self._closed:
+                return
+            self._threads.remove(thread)
+            self._retired.add(thread)
+            self._spawn()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:  # the callers contain their own; this is the last net
+                log.exception("handler pool: a call raised")
+            with self._lock:
+                if me in self._retired:
+                    self._retired.discard(me)
+                    return
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop taking calls; drop queued ones if ``cancel_futures``; join if ``wait``."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+        for _ in threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    """One external attempt on its way: submitted, running, or abandoned."""
+
+    timer: store.DueTimer
+    shard: int
+    token: int
+    spec: HandlerSpec
+    deadline_ms: float
+    """The worker's clock reading past which :meth:`ExternalRunner.reap` abandons it."""
+    thread: threading.Thread | None = None
+    returned: bool = False
+    """The handler returned (its completion may still be committing)."""
+    abandoned: bool = False
+
+    @property
+    def attempt(self) -> int:
+        """The attempt number, counted before the claim."""
+        return self.timer.attempts
+
+
+class ExternalRunner:
+    """Runs claimed external timers on a :class:`HandlerPool`; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        db: str,
+        conf: DurableSettings,
+        clock: Clock,
+        pool: HandlerPool,
+        inbox: queue.SimpleQueue[Readd],
+        outcomes: Outcomes,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.db = db
+        self.conf = conf
+        self.clock = clock
+        self.pool = pool
+        self.inbox = inbox
+        self.outcomes = outcomes
+        self.metrics = metrics
+        # DISPATCH = "kombu": these kinds are claimed and shipped to executor processes.
+        self.shipped = executors.SHIPPED_KINDS if conf.DISPATCH == "kombu" else frozenset()
+        self._lock = threading.Lock()
+        self._running: dict[int, Running] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """External attempts submitted and not yet completed (abandoned ones excluded)."""
+        with self._lock:
+            return len(self._running)
+
+    @property
+    def free(self) -> int:
+        """How many more external timers the pool can take now."""
+        return max(0, self.pool.size - self.in_flight)
+
+    def timeout_s(self, spec: HandlerSpec) -> float:
+        """The handler's deadline: its own ``timeout``, else ``HANDLER_TIMEOUT_S``; never
+        past ``CLAIM_TIMEOUT_S``, after which its claim would run it again."""
+        if spec.timeout == math.inf:
+            return math.inf  # no deadline (workflow replays: the claim covers them)
+        timeout = spec.timeout if spec.timeout is not None else self.conf.HANDLER_TIMEOUT_S
+        return min(timeout, self.conf.CLAIM_TIMEOUT_S)
+
+    def submit(self, shard: int, token: int, timer: store.DueTimer, spec: HandlerSpec) -> None:
+        """Run one claimed timer (its claim committed) on a pool thread."""
+        timeout = self.timeout_s(spec)
+        deadline = self.clock.now_ms() + timeout * 1000 if math.isfinite(timeout) else math.inf
+        entry = Running(timer=timer, shard=shard, token=token, spec=spec, deadline_ms=deadline)
+        with self._lock:
+            self._running[timer.id] = entry
+        run = self._ship if timer.kind in self.shipped else self._run
+        self.pool.submit(run, entry)
+
+    # -- on a pool thread ---------------------------------------------------------------
+
+    def _run(self, entry: Running) -> None:
+        try:
+            self._call(entry)
+        finally:
+            close_old_connections()  # this pool thread's, never the loop's
+
+    def _call(self, entry: Running) -> None:
+        entry.thread = threading.current_thread()
+        timer = entry.timer
+        ctx = FireContext(
+            timer_id=timer.id,
+            key=timer.key,
+            attempt=entry.attempt,
+            scheduled_ms=timer.fire_at_ms,
+            fired_ms=self.clock.now_ms(),
+            shard=timer.shard,
+            token=entry.token,
+            metrics=self.metrics,
+        )
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            with firing(ctx):
+                value = entry.spec.fn(*timer.args, **timer.kwargs)
+        except Exception as exc:
+            error = exc
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this attempt fails
+            error = HandlerAborted.contain(exc)
+        if not self._finish(entry):
+            return  # abandoned meanwhile: reap() recorded the attempt
+        if error is None and ctx.completed and not timer.on_complete:
+            self._done(entry)  # the handler's last transaction marked the timer fired
+            return
+        self._settle(entry, value, error)
+
+    def _ship(self, entry: Running) -> None:
+        """Send a claimed timer to the executors; a failed publish is a failed attempt."""
+        entry.thread = threading.current_thread()
+        timer = entry.timer
+        shipment = executors.Shipment(
+            timer_id=timer.id, attempt=entry.attempt, shard=entry.shard, token=entry.token
+        )
+        error: BaseException | None = None
+        try:
+            executors.ship(shipment, self.conf.BROKER_URL)
+        except Exception as exc:  # broker down: retried with backoff, never lost
+            error = exc
+        try:
+            if self._finish(entry):
+                if error is None:
+                    self._done(entry)
+                else:
+                    self._settle(entry, None, error)
+        finally:
+            close_old_connections()
+
+    def _finish(self, entry: Running) -> bool:
+        """Mark ``entry``'s handler returned (no reaping now); False if it was abandoned."""
+        with self._lock:
+            entry.returned = True
+            return not entry.abandoned
+
+    def _done(self, entry: Running) -> None:
+        with self._lock:
+            if self._running.get(entry.timer.id) is entry:
+                del self._running[entry.timer.id]
+
+    def _settle(self, entry: Running, value: Any, error: BaseException | None) -> None:
+        readd: list[Readd] = []
+        try:
+            self.complete(entry, value, error, readd)
+        except LeaseLost as exc:
+            event(
+                log,
+                logging.WARNING,
+                "timer.complete_fenced",
+                timer=entry.timer.id,
+                shard=entry.shard,
+                reason=str(exc),
+            )
+        except Exception:
+            log.exception("completing external timer %s failed", entry.timer.id)
+        finally:
+            for item in readd:
+                self.inbox.put(item)
+            self._done(entry)
+
+    # -- completion (pool thread or the loop's watchdog) ----------------------------------
+
+    def complete(
+        self, entry: Running, value: Any, error: BaseException | None, readd: list[Readd]
+    ) -> None:
+        """Record the attempt's outcome, fenced, if our claim (that attempt) still stands."""
+        timer, attempt = entry.timer, entry.attempt
+        now_ms = self.clock.now_ms()
+        with transaction.atomic(using=self.db):
+            fence(self.db, entry.shard, entry.token)
+            if not store.still_claimed(self.db, timer.id, attempt):
+                return  # cancelled, or re-run under a newer claim
+            if error is not None:
+                self.outcomes.retry_or_fail(timer, attempt, entry.token, error, now_ms, readd)
+            else:
+                result = json_value(value) if timer.on_complete else None
+                results = {timer.id: result} if result else None
+                store.mark_fired(self.db, [timer.id], {entry.shard: entry.token}, now_ms, results)
+                if timer.on_complete:
+                    success = {"status": "success", "value": result}
+                    self.outcomes.followup(timer, success, now_ms, readd)
+        if error is not None:
+            self.outcomes.log_error(timer, attempt, error)
+
+    def reap(self) -> int:
+        """Abandon attempts past their deadline: record each as failed; return how many.
+
+        Called from the engine's loop. The stuck thread is replaced in the pool; when its
+        handler returns at last, its completion finds the claim gone and does nothing.
+        """
+        now = self.clock.now_ms()
+        with self._lock:
+            late = [e for e in self._running.values() if e.deadline_ms <= now and not e.returned]
+            for entry in late:
+                entry.abandoned = True
+        for entry in late:
+            if entry.thread is not None:
+                self.pool.replace(entry.thread)
+            timeout = self.timeout_s(entry.spec)
+            event(
+                log,
+                logging.ERROR,
+                "timer.timeout",
+                timer=entry.timer.id,
+                target=entry.timer.target,
+                attempt=entry.attempt,
+                timeout_s=timeout,
+            )
+            error = HandlerTimeout(
+                f"the handler ran past its timeout of {timeout:g} s and was abandoned",
+                timeout_s=timeout,
+            )
+            self._settle(entry, None, error)
+        return len(late)

@@ -1,0 +1,103 @@
+"""A new owner re-runs the dead owner's in-flight work at once: default settings.
+
+Two real workers on PostgreSQL with durable's defaults (``LEASE_TTL_S`` 10 s,
+``CLAIM_TIMEOUT_S`` 300 s). One is SIGKILLed while it has workflow runs mid-step and
+external timers claimed: every run completes and every external timer fires within
+``LEASE_TTL_S`` + 2 s of the kill, because its claims belong to its lease token and the
+new owner re-runs them when it takes the shard, not when the claims expire.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+import durable
+from durable.conf import DurableSettings
+from durable.models import ShardLease, Timer, WorkflowRun
+from testproject.demo.models import FireRecord
+from tests.acceptance import handlers, workflows
+from tests.acceptance.helpers import WorkerPool, database_url, duplicated_keys, owned_by
+
+pytestmark = [pytest.mark.acceptance, pytest.mark.postgres]
+
+DEFAULTS = DurableSettings()
+RUNS, EXTERNALS = 200, 1000
+#: Threads per worker: enough for many claims to be in flight when the worker dies.
+THREADS = "16"
+
+
+@pytest.fixture
+def cluster(transactional_db, tmp_path: Path):
+    pool = WorkerPool(
+        database_url=database_url(connection.settings_dict), log_dir=tmp_path, defaults=True
+    )
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def test_sigkill_with_work_in_flight_everything_completes_within_ttl_plus_2s(cluster):
+    cluster.start("a", "--threads", THREADS)
+    cluster.start("b", "--threads", THREADS)
+    half = DEFAULTS.SHARDS // 2
+    cluster.wait_until(
+        lambda: sorted([len(owned_by("a")), len(owned_by("b"))]) == [half, half],
+        timeout_s=40,
+        what="a and b sharing the shards",
+        require_alive=["a", "b"],
+    )
+    for i in range(RUNS):
+        workflows.two_pauses.start(i, 0.05)
+    durable.schedule_many(
+        {"fn": handlers.outside_pause, "args": [f"e{i}", 0.01]} for i in range(EXTERNALS)
+    )
+
+    def a_has_claims_in_flight() -> bool:
+        tokens = dict(ShardLease.objects.filter(owner="a").values_list("shard", "token"))
+        firing = Timer.objects.filter(state="firing", shard__in=tokens)
+        return any(tokens[s] == t for s, t in firing.values_list("shard", "claim_token"))
+
+    cluster.wait_until(
+        a_has_claims_in_flight, timeout_s=30, what="a running claimed work", require_alive=["a"]
+    )
+    cluster.workers["a"].kill()
+    killed = time.monotonic()
+    stuck = Timer.objects.filter(state="firing").count()
+    running = WorkflowRun.objects.filter(state="running").count()
+    assert stuck, "nothing was in flight at the kill: nothing was tested"
+
+    def all_done() -> bool:
+        return (
+            not WorkflowRun.objects.exclude(state="completed").exists()
+            and not Timer.objects.filter(state__in=["pending", "firing"]).exists()
+        )
+
+    took = cluster.wait_until(
+        all_done,
+        timeout_s=DEFAULTS.LEASE_TTL_S + 30,
+        what="every run completed and every timer fired",
+        require_alive=["b"],
+        explain=lambda: (
+            f"runs not completed: {WorkflowRun.objects.exclude(state='completed').count()}, "
+            f"timers unfinished: {Timer.objects.filter(state__in=['pending', 'firing']).count()}"
+        ),
+    )
+    assert time.monotonic() - killed <= DEFAULTS.LEASE_TTL_S + 2, (
+        f"took {took:.1f} s after the kill ({stuck} timers firing, {running} runs running "
+        f"at the kill)\n{cluster.logs()}"
+    )
+    # Atomic effects exactly once; outside ones at least once.
+    assert FireRecord.objects.filter(key__startswith="s").count() == RUNS
+    assert duplicated_keys("s") == {}
+    outside = set(FireRecord.objects.filter(key__startswith="e").values_list("key", flat=True))
+    assert outside == {f"e{i}" for i in range(EXTERNALS)}
+    reclaimed = sum(
+        int(line.split("reclaimed=")[1].split()[0])
+        for line in cluster.workers["b"].events("shard.loaded")
+    )
+    assert reclaimed > 0, "b re-ran none of a's claims at takeover"
