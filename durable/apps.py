@@ -34,6 +34,19 @@ class DurableConfig(AppConfig):
             from durable import tasks  # noqa: F401  (registers the "task" kind)
 
         self.clock = SystemClock()
+        _sqlite_defaults()
+
+
+def _sqlite_defaults() -> None:
+    """The options a worker beside a web process needs on SQLite (durable.storage.sqlite)."""
+    from django.conf import settings
+
+    from durable.storage.sqlite import apply_defaults
+
+    alias = (getattr(settings, "DURABLE", None) or {}).get("DATABASE", "default")
+    database = settings.DATABASES.get(alias) if isinstance(alias, str) else None
+    if isinstance(database, dict):
+        apply_defaults(database)
 
 
 def current_clock() -> Clock:

@@ -6,8 +6,8 @@
 #
 #   scripts/wheel_smoke.sh                      # the virtualenv uses python3
 #   PYTHON=python3.12 scripts/wheel_smoke.sh    # e.g. Python 3.12, which gets Django 6
-#   DURABLE_SMOKE_LOAD=1 scripts/wheel_smoke.sh # adds 100 workflow runs + 300 external
-#                                               # timers at once (see driver.check_load)
+#   DURABLE_SMOKE_LOAD=0 scripts/wheel_smoke.sh # skips the load step (100 workflow runs +
+#                                               # 300 external timers at once)
 #
 # Building uses BUILD_PYTHON (default .venv/bin/python, from `make venv`), which has the
 # dev extras' `build` and `setuptools`. Installing the wheel's dependencies needs the

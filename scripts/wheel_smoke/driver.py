@@ -32,10 +32,10 @@ CHECKOUT = HERE.parents[1]
 BIN = Path(sys.executable).parent
 DEADLINE_S = 60  # for the worker to fire everything; it takes a few seconds
 # On startproject's SQLite settings (rollback journal, deferred transactions) a worker
-# beside another writing process meets "database is locked": it logs
-# database.unavailable and retries, and every check still passes, so for now this is a
-# printed warning. Set True once durable copes with (or refuses) those settings.
-LOCKED_FAILS = False
+# beside another writing process met "database is locked", and workflows stalled for
+# CLAIM_TIMEOUT_S. durable now sets IMMEDIATE transactions, a busy timeout and WAL on its
+# SQLite database (durable.storage.sqlite): a lock error in the worker's log is a failure.
+LOCKED_FAILS = True
 
 
 class SmokeFailure(Exception):
@@ -175,7 +175,7 @@ def fire_with_worker(project: Path, logs: Path) -> None:
         if state["fired"].get("workflow-done:hello") != 1:
             raise SmokeFailure(f"workflow completed without its last write: {state}")
         ok("signal sent from another process; the workflow ran its step, sleep and completed")
-        if os.environ.get("DURABLE_SMOKE_LOAD") == "1":
+        if os.environ.get("DURABLE_SMOKE_LOAD", "1") == "1":
             check_load(project, worker)
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(timeout=30)
@@ -197,9 +197,10 @@ def fire_with_worker(project: Path, logs: Path) -> None:
 
 def check_load(project: Path, worker: subprocess.Popen[bytes]) -> None:
     """Workflow replays and external handlers at once: the worker's own threads write
-    together. Optional (DURABLE_SMOKE_LOAD=1): on startproject's SQLite settings some
-    replays and completions fail with "database is locked" and their timers stay
-    ``firing`` until CLAIM_TIMEOUT_S, so this fails until durable copes with them."""
+    together (on by default; DURABLE_SMOKE_LOAD=0 skips it). On startproject's SQLite
+    settings, before durable set its own options there, some replays and completions
+    failed with "database is locked" and their timers stayed ``firing`` until
+    CLAIM_TIMEOUT_S."""
     sent = step(project, "load")
     state = wait_for(
         project,
