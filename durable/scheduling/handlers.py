@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from durable.conf import get_settings
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
-from durable.scheduling.validation import check_max_attempts, to_backoff
+from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,16 +92,3 @@ def _check_function(func: Any) -> None:
         )
     if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
         raise TypeError(f"handler {func.__qualname__!r} is async; handlers must be sync functions")
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """A handler's ``timeout`` in seconds: positive and finite, or None; else an error."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"timeout: expected seconds or a timedelta, got {type(timeout).__name__}")
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
-    return float(timeout)

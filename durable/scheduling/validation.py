@@ -253,3 +253,16 @@ def _check_text(text: str) -> None:
             text.encode()
         except UnicodeEncodeError:
             raise _NotJson("str contains a lone surrogate; it is not valid Unicode") from None
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A handler's ``timeout`` in seconds: positive and finite, or None; else an error."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout: expected seconds or a timedelta, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
+    return float(timeout)

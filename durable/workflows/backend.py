@@ -168,7 +168,7 @@ class DatabaseBackend:
         if call.kind == Kind.ATOMIC:
             return self._run_atomic(call)
         try:
-            result = call.fn(*call.args, **call.kwargs)
+            result = call.invoke()
         except Exception as exc:
             return self._failed(call, exc, final=False)
         try:

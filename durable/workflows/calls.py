@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable.core.backoff import Backoff
 from durable.exceptions import StepFailed
-from durable.scheduling.validation import check_max_attempts, to_backoff
+from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
 from durable.workflows.records import Interrupt, Kind, Record
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def op(method: T) -> T:
 class StepOptions:
     """``ctx.options(...)``: the same ``step``/``atomic`` with per-call retry policy or name."""
 
-    __slots__ = ("_backoff", "_ctx", "_max_attempts", "_name")
+    __slots__ = ("_backoff", "_ctx", "_max_attempts", "_name", "_timeout")
 
     def __init__(
         self,
@@ -76,31 +76,39 @@ class StepOptions:
         max_attempts: int | None,
         backoff: Backoff | None,
         name: str | None,
+        timeout: float | None = None,
     ) -> None:
         self._ctx = ctx
         self._max_attempts = max_attempts
         self._backoff = backoff
         self._name = name
+        self._timeout = timeout
 
     @classmethod
     def checked(
-        cls, ctx: WorkflowContext, max_attempts: Any, backoff: Any, name: Any, max_s: float
+        cls,
+        ctx: WorkflowContext,
+        max_attempts: Any,
+        backoff: Any,
+        name: Any,
+        max_s: float,
+        timeout: Any = None,
     ) -> StepOptions:
         """Validate the options (errors name the argument) and bind them to ``ctx``."""
         check_max_attempts(max_attempts)
         policy = to_backoff(backoff, max(max_s, 1.0))
         if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
             raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
-        return cls(ctx, max_attempts, policy, name)
+        return cls(ctx, max_attempts, policy, name, check_timeout(timeout))
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """:meth:`WorkflowContext.step` with these options."""
-        opts = (self._max_attempts, self._backoff, self._name)
+        opts = (self._max_attempts, self._backoff, self._name, self._timeout)
         return self._ctx._step(Kind.STEP, fn, args, kwargs, *opts)
 
     def atomic(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """:meth:`WorkflowContext.atomic` with these options."""
-        opts = (self._max_attempts, self._backoff, self._name)
+        opts = (self._max_attempts, self._backoff, self._name, self._timeout)
         return self._ctx._step(Kind.ATOMIC, fn, args, kwargs, *opts)
 
 

@@ -127,7 +127,7 @@ class WorkflowContext:
         retried with backoff through a durable timer (the run suspends in between);
         after the last attempt :class:`~durable.exceptions.StepFailed` is raised here.
         """
-        return self._step(Kind.STEP, fn, args, kwargs, None, None, None)
+        return self._step(Kind.STEP, fn, args, kwargs, None, None, None, None)
 
     def atomic(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` inside ``transaction.atomic()`` together with writing its record.
@@ -135,7 +135,7 @@ class WorkflowContext:
         Exactly once for its writes to ``DURABLE["DATABASE"]``: they commit with the
         record or not at all. Writes to any other database are not covered.
         """
-        return self._step(Kind.ATOMIC, fn, args, kwargs, None, None, None)
+        return self._step(Kind.ATOMIC, fn, args, kwargs, None, None, None, None)
 
     def options(
         self,
@@ -143,13 +143,18 @@ class WorkflowContext:
         max_attempts: int | None = None,
         backoff: Backoff | timedelta | None = None,
         name: str | None = None,
+        timeout: float | timedelta | None = None,
     ) -> StepOptions:
         """Step options for one call: ``ctx.options(max_attempts=3).step(fn, ...)``.
 
         ``name`` replaces the function's qualified name in the history (keep it when
-        renaming the function, so running workflows still replay).
+        renaming the function, so running workflows still replay). ``timeout`` (seconds
+        or a ``timedelta``; outside steps only) fails an attempt that runs longer with
+        ``HandlerTimeout`` (retried like any failure); steps have no deadline otherwise.
         """
-        return StepOptions.checked(self, max_attempts, backoff, name, self._policy.backoff.max_s)
+        return StepOptions.checked(
+            self, max_attempts, backoff, name, self._policy.backoff.max_s, timeout
+        )
 
     @op
     def _step(
@@ -161,12 +166,14 @@ class WorkflowContext:
         max_attempts: int | None,
         backoff: Backoff | None,
         name: str | None,
+        timeout_s: float | None,
     ) -> Any:
         if not callable(fn):
             raise TypeError(f"ctx.{kind}(): expected a callable, got {type(fn).__name__}")
         policy = StepPolicy(
             max_attempts=max_attempts or self._policy.max_attempts,
             backoff=backoff or self._policy.backoff,
+            timeout_s=timeout_s,
         )
         seq, prior = self._next(kind, name or call_name(fn))
         if prior is not None:

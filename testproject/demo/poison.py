@@ -85,3 +85,19 @@ def gated(key: str) -> str:
 def atomic_sleeper(seconds: float) -> None:
     """An atomic handler that sleeps ``seconds`` (its timeout is 0.3 s)."""
     time.sleep(seconds)
+
+
+def nap(seconds: float) -> float:
+    """An outside step that takes ``seconds``."""
+    time.sleep(seconds)
+    return seconds
+
+
+@durable.workflow
+def step_with_deadline(ctx, seconds: float) -> str:
+    """One outside step with a 0.3 s deadline and one attempt: done, or how it failed."""
+    try:
+        ctx.options(timeout=0.3, max_attempts=1).step(nap, seconds)
+    except durable.exceptions.StepFailed as exc:
+        return f"gave up: {exc}"
+    return "done"

@@ -263,3 +263,16 @@ def test_retry_time_of_a_bad_row_does_not_reach_the_wheel(engine, clock):
     turns(engine, clock, n=1)
     assert keys("w") == [f"w{i}" for i in range(4)]
     assert set(Timer.objects.values_list("attempts", "claim_token")) == {(1, None)}
+
+
+@pytest.mark.parametrize(("seconds", "result"), [(0.01, "done"), (30, "gave up")])
+def test_a_step_past_its_timeout_fails_its_attempt(engine, clock, seconds, result):
+    run = poison.step_with_deadline.start(seconds)
+    load(engine, clock)
+    started = time.monotonic()
+    turns(engine, clock, n=3)
+    assert time.monotonic() - started < 10, "the turn waited for the step"
+    run.refresh_from_db()
+    assert run.state == "completed" and run.result.startswith(result), run.result
+    if result == "gave up":
+        assert "HandlerTimeout: the step ran past its timeout of 0.3 s" in run.result
