@@ -95,6 +95,7 @@ DURABLE = {
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
     "ASYNC_COMMIT": env.bool("DURABLE_ASYNC_COMMIT", default=False),
+    "SHUTDOWN_GRACE_S": env.float("DURABLE_SHUTDOWN_GRACE_S", default=30.0),
     # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
     # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers
     # fire handlers kept under tests/, which is not an app.

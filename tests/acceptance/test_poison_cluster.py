@@ -200,3 +200,40 @@ def test_a_second_sigterm_exits_at_once(cluster):
     worker.send(signal.SIGTERM)
     worker.proc.wait(timeout=3)
     assert worker.proc.returncode == 1
+
+
+def test_the_end_of_the_grace_period_exits_and_the_next_owner_reruns_the_claim(
+    transactional_db, tmp_path
+):
+    """About a setting: SHUTDOWN_GRACE_S (30 s by default) shortened to 1 s."""
+    import signal
+
+    log = tmp_path / "poison.log"
+    log.touch()
+    pool = WorkerPool(
+        database_url=database_url(connection.settings_dict),
+        log_dir=tmp_path,
+        defaults=True,
+        env={"DURABLE_POISON_LOG": str(log), "DURABLE_SHUTDOWN_GRACE_S": "1"},
+    )
+    try:
+        worker = pool.start("solo")
+        pool.wait_until(lambda: len(owned_by("solo")) == DEFAULTS.SHARDS, timeout_s=40,
+                        what="solo holding every shard")  # fmt: skip
+        bad = durable.schedule(poison.external_poison, args=["hang"])
+        pool.wait_until(lambda: log.read_text(), timeout_s=20, what="the hang started")
+        worker.send(signal.SIGTERM)
+        started = time.monotonic()
+        worker.proc.wait(timeout=10)
+        assert worker.proc.returncode == 0 and time.monotonic() - started < 5
+        assert owned_by("solo") == [], "its leases were released"
+        bad.refresh_from_db()
+        assert bad.state == TimerState.FIRING, "its claim is left to the next owner"
+        pool.start("next")
+        pool.wait_until(
+            lambda: len(log.read_text().splitlines()) >= 2,
+            timeout_s=10,
+            what="the next owner re-running the claim at once",
+        )
+    finally:
+        pool.stop_all()
