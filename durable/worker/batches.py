@@ -23,7 +23,9 @@ class BatchOutcome:
     errors: list[tuple[store.DueTimer, BaseException]] = field(default_factory=list)
     external: list[tuple[store.DueTimer, HandlerSpec]] = field(default_factory=list)
     leftover: list[store.DueTimer] = field(default_factory=list)
-    """Due timers the batch did not run (time budget, no free thread): back to the wheel."""
+    """Due timers the batch did not run (its time budget was spent): back to the wheel."""
+    waiting: list[store.DueTimer] = field(default_factory=list)
+    """External timers the batch did not take, no thread being free: parked until one is."""
     readd: list[Readd] = field(default_factory=list)
     lateness_ms: list[int] = field(default_factory=list)
     lost: str = ""
@@ -36,6 +38,7 @@ def merge(into: BatchOutcome, other: BatchOutcome) -> None:
     into.errors += other.errors
     into.external += other.external
     into.leftover += other.leftover
+    into.waiting += other.waiting
     into.readd += other.readd
     into.lateness_ms += other.lateness_ms
 

@@ -57,6 +57,8 @@ from durable.worker.runner import ShardRunner
 log = logging.getLogger("durable.worker")
 
 MAX_SLEEP_S = 1.0
+#: How often the loop looks for a free handler thread while external timers wait for one.
+PARKED_POLL_S = 0.005
 PRUNE_EVERY_MS = 60_000
 OFFSET_EVERY_MS = 60_000
 SAMPLE_EVERY_MS = 15_000
@@ -225,6 +227,10 @@ class Engine:
         now = self.clock.now_ms()
         self._drain_inbox()
         self.firer.external.reap()  # external handlers past their deadline
+        for shard, timer_id, fire_at in self.firer.external.unpark():  # threads freed
+            runner = self.runners.get(shard)
+            if runner is not None:
+                runner.add(timer_id, fire_at)
         if now >= self._next_rebalance_ms:
             self._maintain_leases(now)
         if now >= self._next_offset_ms:
@@ -380,6 +386,8 @@ class Engine:
         timeout = min(MAX_SLEEP_S, max(0.0, (min(wake) - now) / 1000))
         if not self.inbox.empty():
             timeout = 0.0
+        elif self.firer.external.parked:  # look for a freed thread soon (memory only)
+            timeout = min(timeout, PARKED_POLL_S)
         for notice in self.listener.wait(timeout):
             runner = self.runners.get(notice.shard)
             if runner is None:

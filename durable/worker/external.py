@@ -172,6 +172,7 @@ class ExternalRunner:
         self.shipped = executors.SHIPPED_KINDS if conf.DISPATCH == "kombu" else frozenset()
         self._lock = threading.Lock()
         self._running: dict[int, Running] = {}
+        self._parked: dict[int, Readd] = {}  # waiting for a free thread, oldest first
 
     @property
     def in_flight(self) -> int:
@@ -183,6 +184,22 @@ class ExternalRunner:
     def free(self) -> int:
         """How many more external timers the pool can take now."""
         return max(0, self.pool.size - self.in_flight)
+
+    @property
+    def parked(self) -> int:
+        """External timers due and waiting for a free thread."""
+        return len(self._parked)
+
+    def park(self, shard: int, timer_id: int, fire_at_ms: int) -> None:
+        """Keep a due external timer out of the wheel until a thread is free (the engine
+        polls :meth:`unpark`; no database work meanwhile)."""
+        self._parked.setdefault(timer_id, (shard, timer_id, fire_at_ms))
+
+    def unpark(self) -> list[Readd]:
+        """As many parked timers as there are free threads, oldest first (loop thread)."""
+        take = min(self.free, len(self._parked))
+        ids = list(self._parked)[:take]
+        return [self._parked.pop(timer_id) for timer_id in ids]
 
     def timeout_s(self, spec: HandlerSpec) -> float:
         """The handler's deadline: its own ``timeout``, else ``HANDLER_TIMEOUT_S``; never

@@ -300,7 +300,7 @@ class Firer:
             return False
         if not spec.atomic or timer.kind in self.external.shipped:
             if free <= 0:
-                out.leftover.append(timer)  # no free thread: it waits in the wheel
+                out.waiting.append(timer)  # no free thread: parked until one is
                 return False
             out.external.append((timer, spec))
             return True
@@ -351,7 +351,7 @@ class Firer:
             for timer, exc in out.errors:
                 self.outcomes.retry_or_fail(timer, timer.attempts, token, exc, now_ms, out.readd)
             external.extend(t.id for t, _ in out.external if t.id not in batch.claimed)
-            leftover.extend(t.id for t in out.leftover if t.id in counted)
+            leftover.extend(t.id for t in out.leftover + out.waiting if t.id in counted)
         # Timers left for later were counted, not run: give their attempt back.
         claims.uncount(self.db, leftover)
         if external:
@@ -377,6 +377,8 @@ class Firer:
             runner = by_shard[shard]
             for timer in out.leftover:
                 runner.add(timer.id, timer.fire_at_ms)
+            for timer in out.waiting:
+                self.external.park(shard, timer.id, timer.fire_at_ms)
             for timer, spec in out.external:
                 self.external.submit(shard, runner.token, timer, spec)
             for timer, exc in out.errors:

@@ -52,9 +52,9 @@ def test_sigkill_with_work_in_flight_everything_completes_within_ttl_plus_2s(clu
         require_alive=["a", "b"],
     )
     for i in range(RUNS):
-        workflows.two_pauses.start(i, 0.05)
+        workflows.two_pauses.start(i, 0.02)
     durable.schedule_many(
-        {"fn": handlers.outside_pause, "args": [f"e{i}", 0.01]} for i in range(EXTERNALS)
+        {"fn": handlers.outside_pause, "args": [f"e{i}", 0.002]} for i in range(EXTERNALS)
     )
 
     def a_has_claims_in_flight() -> bool:

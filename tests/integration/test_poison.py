@@ -144,6 +144,9 @@ def test_no_more_external_claims_than_free_threads(engine, clock):
     engine.tick()
     states = Timer.objects.values_list("state", "attempts")
     assert sorted(states) == [("firing", 1)] * 2 + [("pending", 0)] * 3
+    # The other three wait outside the wheel (no query a turn) until a thread is free.
+    assert engine.firer.external.parked == 3
+    assert sum(len(r.wheel) for r in engine.runners.values()) == 0
     for i in range(5):
         poison.GATES[f"g{i}"].set()
     turns(engine, clock, n=5)
