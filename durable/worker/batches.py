@@ -24,6 +24,8 @@ class BatchOutcome:
     external: list[tuple[store.DueTimer, HandlerSpec]] = field(default_factory=list)
     leftover: list[store.DueTimer] = field(default_factory=list)
     """Due timers the batch did not run (its time budget was spent): back to the wheel."""
+    alone: list[store.DueTimer] = field(default_factory=list)
+    """Suspects with atomic handlers, held back to fire in a batch of their own."""
     waiting: list[store.DueTimer] = field(default_factory=list)
     """External timers the batch did not take, no thread being free: parked until one is."""
     readd: list[Readd] = field(default_factory=list)

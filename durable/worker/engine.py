@@ -28,7 +28,6 @@ from django.db import (
     DatabaseError,
     InterfaceError,
     OperationalError,
-    close_old_connections,
     connections,
 )
 from django.db.backends.signals import connection_created
@@ -46,7 +45,7 @@ from durable.storage import leases as lease_store
 from durable.storage import status as status_store
 from durable.worker import housekeeping
 from durable.worker.batches import BatchOutcome, pack
-from durable.worker.external import HandlerPool
+from durable.worker.external import HandlerPool, tidy_connections
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener
@@ -371,7 +370,7 @@ class Engine:
         except DatabaseError as exc:
             event(log, logging.WARNING, "metrics.sample_failed", error=exc)
         finally:
-            close_old_connections()
+            tidy_connections()
 
     # -- helpers -------------------------------------------------------------------------
 

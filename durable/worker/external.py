@@ -23,11 +23,12 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import close_old_connections, transaction
+from django.db import connections, transaction
 
 from durable.conf import DurableSettings
 from durable.core.clock import Clock
@@ -42,6 +43,36 @@ from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd, json_value
 
 log = logging.getLogger("durable.worker")
+
+
+#: How long a handler thread keeps its database connection between handlers. Django's
+#: ``close_old_connections`` (its request-boundary rule) closes it after every handler
+#: with the default ``CONN_MAX_AGE`` of 0: a new PostgreSQL connection per external timer
+#: made a worker's external handlers about three times slower (1,000 took 6.9 s instead
+#: of 1.8 s with 16 threads). A handler thread is not a request; its connection is kept,
+#: and replaced after this long so that a changed server (a failover) is picked up.
+CONNECTION_MAX_AGE_S = 60.0
+
+
+def tidy_connections() -> None:
+    """After a handler, on its pool thread: keep this thread's connections for the next
+    one, unless broken (an error and no longer usable) or older than
+    :data:`CONNECTION_MAX_AGE_S`."""
+    now = time.monotonic()
+    for conn in connections.all(initialized_only=True):
+        raw = conn.connection
+        if raw is None:
+            continue
+        opened = getattr(conn, "_durable_opened", None)
+        if opened is None or opened[0] is not raw:
+            conn._durable_opened = opened = (raw, now)
+        if conn.errors_occurred:
+            if not conn.is_usable():
+                conn.close()
+                continue
+            conn.errors_occurred = False
+        if now - opened[1] > CONNECTION_MAX_AGE_S and not conn.in_atomic_block:
+            conn.close()
 
 
 class HandlerPool:
@@ -93,6 +124,12 @@ class HandlerPool:
             self._spawn()
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        finally:
+            connections.close_all()  # the thread's own, kept between its calls
+
+    def _serve(self) -> None:
         me = threading.current_thread()
         while True:
             job = self._jobs.get()
@@ -225,7 +262,7 @@ class ExternalRunner:
         try:
             self._call(entry)
         finally:
-            close_old_connections()  # this pool thread's, never the loop's
+            tidy_connections()  # this pool thread's, never the loop's
 
     def _call(self, entry: Running) -> None:
         entry.thread = threading.current_thread()
@@ -275,7 +312,7 @@ class ExternalRunner:
                 else:
                     self._settle(entry, None, error)
         finally:
-            close_old_connections()
+            tidy_connections()
 
     def _finish(self, entry: Running) -> bool:
         """Mark ``entry``'s handler returned (no reaping now); False if it was abandoned."""

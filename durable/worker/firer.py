@@ -130,7 +130,9 @@ class Firer:
         transaction per shard would pay a commit (a WAL flush) for each. Keep a batch to
         ``BATCH_SIZE`` ids in all (see :func:`pack`). A shard whose lease was lost gets an
         outcome with ``lost`` set (nothing of it fired), and the other shards still fire.
-        Suspects (see :mod:`durable.storage.claims`) fire after the rest, one per batch.
+        Suspects (see :mod:`durable.storage.claims`) with atomic handlers fire after the
+        rest, one per batch: only an atomic handler runs inside its batch's transaction,
+        where taking the process down would cost its neighbours an attempt.
         """
         work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
         work = [(runner, ids) for runner, ids in work if ids]
@@ -138,17 +140,14 @@ class Firer:
         lost: dict[int, str] = {}
         counted = self._count(work, lost)
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
-        alone = [
-            [(runner, [timer_id])]
-            for runner, ids in work
-            for timer_id in ids
-            if timer_id in counted.suspects
-        ]
-        rest = [(r, [i for i in ids if i not in counted.suspects]) for r, ids in work]
-        for part in [rest, *alone]:
-            part = [(runner, ids) for runner, ids in part if ids and runner.shard not in lost]
-            for shard, outcome in self._fire_contained(part, counted.ids, lost).items():
+        runners = {runner.shard: runner for runner, _ in work}
+        parts: list[Work] = [work]
+        while parts:
+            part = [(r, ids) for r, ids in parts.pop(0) if ids and r.shard not in lost]
+            for shard, outcome in self._fire_contained(part, counted, lost).items():
                 merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
+                parts += [[(runners[shard], [timer.id])] for timer in outcome.alone]
+                outcome.alone.clear()
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
@@ -169,7 +168,7 @@ class Firer:
         return claims.Counted()
 
     def _fire_contained(
-        self, work: Work, counted: set[int], lost: dict[int, str]
+        self, work: Work, counted: claims.Counted, lost: dict[int, str]
     ) -> dict[int, BatchOutcome]:
         """:meth:`_fire_batch`; an error of the batch's own (not a handler's: a database
         error in durable's bookkeeping, say) splits the batch, and a timer whose firing
@@ -195,7 +194,7 @@ class Firer:
             return {runner.shard: BatchOutcome()}
 
     def _fire_batch(
-        self, work: Work, counted: set[int], lost: dict[int, str]
+        self, work: Work, counted: claims.Counted, lost: dict[int, str]
     ) -> dict[int, BatchOutcome]:
         """One fenced transaction (redone carefully, or without lost shards, as needed)."""
         while work:
@@ -224,7 +223,11 @@ class Firer:
         return {}
 
     def _batch(
-        self, work: Work, counted: set[int], *, failed: dict[int, BaseException] | None = None
+        self,
+        work: Work,
+        counted: claims.Counted,
+        *,
+        failed: dict[int, BaseException] | None = None,
     ) -> tuple[dict[int, BatchOutcome], Announced]:
         """One fenced transaction. ``failed`` set means careful mode: a savepoint per handler."""
         runners = {runner.shard: runner for runner, _ in work}
@@ -254,8 +257,10 @@ class Firer:
             ):
                 for timer in due:
                     out = outcomes[timer.shard]
-                    if timer.id not in counted:
+                    if timer.id not in counted.ids:
                         self._uncounted(timer, out)
+                    elif timer.id in counted.suspects and len(due) > 1 and self._atomic(timer):
+                        out.alone.append(timer)  # fires after the batch, in one of its own
                     elif time.monotonic() > deadline:
                         out.leftover.append(timer)  # budget spent: next batch takes it
                     else:
@@ -268,7 +273,7 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
-            self._record(runners, outcomes, batch, counted)
+            self._record(runners, outcomes, batch, counted.ids)
         return outcomes, announced
 
     def _uncounted(self, timer: store.DueTimer, out: BatchOutcome) -> None:
@@ -390,6 +395,14 @@ class Firer:
         now_ms = self.clock.now_ms()
         if not self.outcomes.give_up(runner.shard, runner.token, timer_id, exc, now_ms):
             self.quarantined.add(timer_id)
+
+    def _atomic(self, timer: store.DueTimer) -> bool:
+        """Whether the timer's handler would run inside the batch transaction."""
+        try:
+            spec = self._resolve(timer)
+        except Exception:  # its failure is recorded when it runs
+            return False
+        return spec.atomic and timer.kind not in self.external.shipped
 
     def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
         try:
