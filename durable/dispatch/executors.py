@@ -7,6 +7,11 @@ ships a small :class:`Shipment` (timer id, attempt, shard, lease token) to the d
 queue :data:`QUEUE` on ``DURABLE["BROKER_URL"]``. ``python manage.py
 run_durable_executor`` consumes it, runs the handler and commits the completion itself.
 
+An executor marks the claim taken (``claim_token`` negated, committed) before it runs the
+handler; a message redelivered after that executor died finds the mark and records the
+attempt as failed instead of running it again, so a handler that kills its process takes
+down at most ``max_attempts`` executors, as in the worker.
+
 The row stays the truth; the message is only a pointer to it. Every completion is fenced
 on the claim: it commits only if the row is still ``firing`` with the shipped attempt
 number, under a row lock. So a message redelivered after an executor crash, or one
@@ -50,7 +55,7 @@ from durable.core.errors import sanitize_error
 from durable.dispatch.broker import Outgoing, direct_queue, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec
-from durable.exceptions import HandlerAborted
+from durable.exceptions import AttemptsExhausted, HandlerAborted
 from durable.models import Timer
 from durable.storage import claims
 from durable.storage import firing as store
@@ -121,6 +126,16 @@ def execute(shipment: Shipment, *, db: str, clock: Clock, resolvers: Resolvers) 
     timer = _claimed(db, shipment, lock=False)
     if timer is None:
         return STALE
+    taken = timer_store.start_execution(db, shipment.timer_id, shipment.attempt, shipment.token)
+    if taken == "died":
+        # A redelivery: the executor that took this attempt died before completing it,
+        # perhaps killed by the handler itself. The attempt failed; running it again here
+        # would let one poison timer take down executors for ever.
+        error = AttemptsExhausted(
+            f"attempt {shipment.attempt} was taken by an executor that died before finishing",
+            timer=shipment.timer_id,
+        )
+        return record_failure(db, clock, shipment, error)
     try:
         spec = resolvers[timer.kind](timer.target)
     except Exception as exc:  # unknown handler or kind: retried, then dead letter

@@ -216,6 +216,23 @@ def claimed_timer(db: str, timer_id: int, attempt: int, *, lock: bool) -> Timer 
     return (rows.select_for_update() if lock else rows).first()
 
 
+def start_execution(db: str, timer_id: int, attempt: int, token: int) -> str:
+    """An executor takes a shipped claim: ``"started"``, ``"died"`` or ``"other"``.
+
+    ``"started"``: the claim (that attempt, claimed under ``token``) is now marked taken
+    (``claim_token`` = ``-token``, committed before the handler runs). ``"died"``: it was
+    marked taken already, so the message is a redelivery after the executor that took it
+    died (with it, perhaps). ``"other"``: not a claim this shipment can mark (gone, or
+    claimed before claims recorded a token): run as before.
+    """
+    rows = Timer.objects.using(db).filter(pk=timer_id, state=TimerState.FIRING, attempts=attempt)
+    if rows.filter(claim_token=token).update(claim_token=-token):
+        return "started"
+    if rows.filter(claim_token=-token).exists():
+        return "died"
+    return "other"
+
+
 def store_result(db: str, timer_id: int, result: Any) -> None:
     """Overwrite the timer's ``result`` (a JSON value), nothing else."""
     Timer.objects.using(db).filter(pk=timer_id).update(result=result)

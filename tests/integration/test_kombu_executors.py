@@ -215,3 +215,20 @@ def test_a_base_exception_in_an_executed_handler_fails_the_attempt(consumer, clo
     assert consumer.drain() == 1 and consumer.outcomes[RETRY] == 1
     row = Timer.objects.get(pk=timer.pk)
     assert row.state == "pending" and "HandlerAborted" in row.last_error
+
+
+def test_a_redelivery_after_the_executor_died_fails_the_attempt_not_runs_it_again(
+    consumer, clock
+):
+    from durable.storage import timers as timer_store
+
+    timer = durable.schedule(probes.record_external, args=["died"])  # max_attempts=2
+    shipment = claim_and_ship(timer, clock)
+    # An executor took the message and died in the handler (os._exit, say): the mark it
+    # committed before running stays, and the broker redelivers the message.
+    assert timer_store.start_execution("default", timer.pk, shipment.attempt, TOKEN) == "started"
+    assert consumer.drain() == 1 and consumer.outcomes[RETRY] == 1
+    row = Timer.objects.get(pk=timer.pk)
+    assert row.state == "pending" and "AttemptsExhausted" in row.last_error
+    assert "taken by an executor that died" in row.last_error
+    assert keys() == [], "the handler did not run again"
