@@ -21,14 +21,18 @@ from urllib.parse import quote
 
 from django.db.models import Count, F
 
+from durable.conf import DurableSettings
 from durable.models import ShardLease, Timer
 from testproject.demo.models import FireRecord
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARDS = 64
-LEASE_TTL_S = 2.0
-RESCAN_INTERVAL_S = 0.5
-BATCH_TIME_BUDGET_S = 1.0  # below LEASE_TTL_S, or the workers refuse to start (durable.E005)
+# The workers run durable's default settings (acceptance tests use defaults unless a
+# test is about a setting); these name them for the tests' deadlines.
+_DEFAULTS = DurableSettings()
+SHARDS = _DEFAULTS.SHARDS
+LEASE_TTL_S = _DEFAULTS.LEASE_TTL_S
+RESCAN_INTERVAL_S = _DEFAULTS.RESCAN_INTERVAL_S
+BATCH_TIME_BUDGET_S = _DEFAULTS.BATCH_TIME_BUDGET_S
 LOG_TAIL_LINES = 60
 
 

@@ -23,7 +23,6 @@ import pytest
 
 import durable
 from durable.models import Timer
-from durable.worker.firer import Firer
 from testproject.celery_app import read_executions
 from tests.acceptance.helpers import REPO_ROOT, SHARDS, WorkerPool, now_ms, owned_by
 
@@ -289,10 +288,6 @@ def _at(ms: int):
 
 
 @pytest.mark.skipif(bool(_unreachable(RABBITMQ)), reason=_unreachable(RABBITMQ) or "")
-@pytest.mark.skipif(
-    not hasattr(Firer, "_ship"),
-    reason="the firer does not ship to executors yet (DISPATCH=kombu firer hook pending)",
-)
 def test_dispatch_kombu_runs_handlers_in_executor_processes(workers, durable_settings):
     from kombu import Connection
 

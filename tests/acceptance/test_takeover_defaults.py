@@ -88,7 +88,7 @@ def test_sigkill_with_work_in_flight_everything_completes_within_ttl_plus_2s(
         what="b taking a's shards over",
         require_alive=["b"],
     )
-    took = cluster.wait_until(
+    cluster.wait_until(
         all_done,
         timeout_s=DEFAULTS.LEASE_TTL_S + 30,
         what="every run completed and every timer fired",
