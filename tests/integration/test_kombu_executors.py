@@ -217,9 +217,7 @@ def test_a_base_exception_in_an_executed_handler_fails_the_attempt(consumer, clo
     assert row.state == "pending" and "HandlerAborted" in row.last_error
 
 
-def test_a_redelivery_after_the_executor_died_fails_the_attempt_not_runs_it_again(
-    consumer, clock
-):
+def test_a_redelivery_after_the_executor_died_fails_the_attempt_not_runs_it_again(consumer, clock):
     from durable.storage import timers as timer_store
 
     timer = durable.schedule(probes.record_external, args=["died"])  # max_attempts=2
