@@ -135,6 +135,11 @@ class DurableBackend(BaseTaskBackend):
         self.max_attempts = v.check_max_attempts(
             options.get("MAX_ATTEMPTS", 1), f"TASKS[{alias!r}]['OPTIONS']", "MAX_ATTEMPTS"
         )
+        # Seconds an attempt may run (OPTIONS["TIMEOUT"]); None: HANDLER_TIMEOUT_S.
+        try:
+            self.timeout_s = v.check_timeout(options.get("TIMEOUT"))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"TASKS[{alias!r}]['OPTIONS']['TIMEOUT']: {exc}") from None
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Write the task's timer in the caller's transaction and return its result handle."""
@@ -349,8 +354,12 @@ def resolve(module_path: str) -> HandlerSpec:
     An unregistered path raises :class:`UnknownHandler`: the timer fails, nothing is
     imported.
     """
-    registry.resolve(module_path)
-    return HandlerSpec(name=module_path, fn=partial(run_task, module_path), atomic=False)
+    task = registry.resolve(module_path)
+    backend = task.get_backend()
+    timeout = getattr(backend, "timeout_s", None)
+    return HandlerSpec(
+        name=module_path, fn=partial(run_task, module_path), atomic=False, timeout=timeout
+    )
 
 
 def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:

@@ -388,3 +388,33 @@ def test_a_raising_task_started_receiver_fails_the_attempt(tasks, engine, clock)
     assert got.status == TaskResultStatus.FAILED and got.attempts == 1
     assert [e.exception_class for e in got.errors] == [RuntimeError]
     assert keys() == []  # the task itself never ran
+
+
+def test_a_task_past_the_backends_timeout_is_abandoned_and_fails(settings, engine, clock):
+    settings.TASKS = {
+        "default": {"BACKEND": BACKEND, "QUEUES": ["default", "emails"], "OPTIONS": {"TIMEOUT": 2}}
+    }
+    from tests.integration import tasks_support as tasks
+
+    tasks.STARTED.clear()
+    tasks.RELEASE.clear()
+    result = tasks.watch_itself.enqueue("slow")
+    clock.advance(1_000)
+    engine.tick()
+    try:
+        assert tasks.STARTED.wait(10)
+        clock.advance(2_001)  # past OPTIONS["TIMEOUT"], on the worker's clock
+        engine.tick()  # the watchdog abandons the attempt
+        result.refresh()
+        assert result.status == TaskResultStatus.FAILED
+        timer = Timer.objects.get(pk=int(result.id))
+        assert "HandlerTimeout: the handler ran past its timeout of 2 s" in timer.last_error
+    finally:
+        tasks.RELEASE.set()
+
+
+def test_a_bad_timeout_option_names_itself():
+    from durable.tasks import DurableBackend
+
+    with pytest.raises(ValueError, match=r"TASKS\['x'\]\['OPTIONS'\]\['TIMEOUT'\]"):
+        DurableBackend("x", {"OPTIONS": {"TIMEOUT": -1}})
