@@ -56,8 +56,6 @@ from durable.worker.runner import ShardRunner
 log = logging.getLogger("durable.worker")
 
 MAX_SLEEP_S = 1.0
-#: How often the loop looks for a free handler thread while external timers wait for one.
-PARKED_POLL_S = 0.005
 PRUNE_EVERY_MS = 60_000
 OFFSET_EVERY_MS = 60_000
 SAMPLE_EVERY_MS = 15_000
@@ -383,10 +381,15 @@ class Engine:
             if nxt is not None:
                 wake.append(nxt)
         timeout = min(MAX_SLEEP_S, max(0.0, (min(wake) - now) / 1000))
-        if not self.inbox.empty():
+        external = self.firer.external
+        if not self.inbox.empty() or (external.parked and external.free):
             timeout = 0.0
-        elif self.firer.external.parked:  # look for a freed thread soon (memory only)
-            timeout = min(timeout, PARKED_POLL_S)
+        elif external.parked:
+            # Saturated: wake the moment a handler thread frees (notices queue meanwhile,
+            # and are read at once after).
+            external.freed.wait(timeout)
+            timeout = 0.0
+        external.freed.clear()
         for notice in self.listener.wait(timeout):
             runner = self.runners.get(notice.shard)
             if runner is None:

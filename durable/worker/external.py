@@ -210,6 +210,8 @@ class ExternalRunner:
         self._lock = threading.Lock()
         self._running: dict[int, Running] = {}
         self._parked: dict[int, Readd] = {}  # waiting for a free thread, oldest first
+        self.freed = threading.Event()
+        """Set whenever an attempt is done: the loop waits on it while timers are parked."""
 
     @property
     def in_flight(self) -> int:
@@ -229,7 +231,8 @@ class ExternalRunner:
 
     def park(self, shard: int, timer_id: int, fire_at_ms: int) -> None:
         """Keep a due external timer out of the wheel until a thread is free (the engine
-        polls :meth:`unpark`; no database work meanwhile)."""
+        waits for :attr:`freed`, then takes it back with :meth:`unpark`; no database work
+        meanwhile)."""
         self._parked.setdefault(timer_id, (shard, timer_id, fire_at_ms))
 
     def unpark(self) -> list[Readd]:
@@ -324,6 +327,7 @@ class ExternalRunner:
         with self._lock:
             if self._running.get(entry.timer.id) is entry:
                 del self._running[entry.timer.id]
+        self.freed.set()
 
     def _settle(self, entry: Running, value: Any, error: BaseException | None) -> None:
         readd: list[Readd] = []
