@@ -16,6 +16,7 @@ from durable.exceptions import NonDeterminismError
 from durable.workflows.history import check_history, load, replay
 from durable.workflows.registry import METHOD, WorkflowDef
 from testproject.demo import shop
+from testproject.demo import workflows as _registers_onboarding  # noqa: F401 (the histories replay it)
 from testproject.demo.models import Order
 
 HISTORIES = sorted((Path(__file__).parents[1] / "histories").glob("*.json"))
