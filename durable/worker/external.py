@@ -41,6 +41,7 @@ from durable.storage import firing as store
 from durable.storage.leases import fence
 from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd, json_value
+from durable.workflows.deadline import keep_step_thread, stop_step_thread
 
 log = logging.getLogger("durable.worker")
 
@@ -124,9 +125,11 @@ class HandlerPool:
             self._spawn()
 
     def _work(self) -> None:
+        keep_step_thread()  # its replays' outside steps get a reusable step thread
         try:
             self._serve()
         finally:
+            stop_step_thread()  # its replays' step thread, if any
             connections.close_all()  # the thread's own, kept between its calls
 
     def _serve(self) -> None:

@@ -39,6 +39,7 @@ from durable.storage import checkpoints as cp
 from durable.storage import firing
 from durable.storage import workflows as store
 from durable.storage.leases import fence
+from durable.workflows.deadline import keeps_step_thread
 from durable.workflows.records import (
     ChildRequest,
     Kind,
@@ -168,7 +169,7 @@ class DatabaseBackend:
         if call.kind == Kind.ATOMIC:
             return self._run_atomic(call)
         try:
-            result = call.invoke()
+            result = call.invoke(_step_deadline_s())
         except Exception as exc:
             return self._failed(call, exc, final=False)
         try:
@@ -388,3 +389,14 @@ def _done(call: StepCall, result: Any) -> Record:
 
 def _shards() -> int:
     return get_settings().SHARDS
+
+
+def _step_deadline_s() -> float | None:
+    """An outside step's default deadline when the worker fires the replay:
+    ``HANDLER_TIMEOUT_S``, never past ``CLAIM_TIMEOUT_S`` (after which the replay's wake-up
+    would be claimed again). None off the worker's handler threads (a replay called
+    directly)."""
+    if not keeps_step_thread():
+        return None
+    conf = get_settings()
+    return min(conf.HANDLER_TIMEOUT_S, conf.CLAIM_TIMEOUT_S)

@@ -139,53 +139,19 @@ class StepCall:
     attempt: int
     """1 for the first attempt."""
 
-    def invoke(self) -> Any:
-        """Call the step's function. With a ``timeout_s`` (outside steps only), the call
-        runs on a thread of its own and is abandoned past it, with ``HandlerTimeout``."""
+    def invoke(self, default_timeout_s: float | None = None) -> Any:
+        """Call the step's function. With a deadline (its ``timeout_s``, else
+        ``default_timeout_s``; outside steps only), the call runs on the calling thread's
+        step thread and is abandoned past it with ``HandlerTimeout``
+        (:mod:`durable.workflows.deadline`)."""
         timeout = self.policy.timeout_s
+        if timeout is None:
+            timeout = default_timeout_s
         if timeout is None or self.kind != Kind.STEP:
             return self.fn(*self.args, **self.kwargs)
+        from durable.workflows.deadline import call_with_deadline
+
         return call_with_deadline(self.fn, self.args, self.kwargs, timeout)
-
-
-def call_with_deadline(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
-) -> Any:
-    """``fn(*args, **kwargs)`` on a daemon thread (with this context's variables); raise
-    :class:`~durable.exceptions.HandlerTimeout` if it has not returned in ``timeout_s``.
-
-    The late call is left to finish on its own: Python cannot stop a thread. Its database
-    connection is closed when it does.
-    """
-    import contextvars
-    import threading
-
-    from django.db import connections
-
-    from durable.exceptions import HandlerTimeout
-
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(*args, **kwargs)
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            connections.close_all()  # this thread's own
-
-    context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(run,), daemon=True, name="durable-step")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise HandlerTimeout(
-            f"the step ran past its timeout of {timeout_s:g} s and was abandoned",
-            timeout_s=timeout_s,
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -101,3 +101,13 @@ def step_with_deadline(ctx, seconds: float) -> str:
     except durable.exceptions.StepFailed as exc:
         return f"gave up: {exc}"
     return "done"
+
+
+@durable.workflow
+def step_with_default_deadline(ctx, seconds: float) -> str:
+    """One outside step, one attempt, no timeout of its own: done, or how it failed."""
+    try:
+        ctx.options(max_attempts=1).step(nap, seconds)
+    except durable.exceptions.StepFailed as exc:
+        return f"gave up: {exc}"
+    return "done"

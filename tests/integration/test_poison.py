@@ -279,3 +279,19 @@ def test_a_step_past_its_timeout_fails_its_attempt(engine, clock, seconds, resul
     assert run.state == "completed" and run.result.startswith(result), run.result
     if result == "gave up":
         assert "HandlerTimeout: the step ran past its timeout of 0.3 s" in run.result
+
+
+def test_a_step_past_handler_timeout_fails_its_attempt_by_default(start_engine, clock):
+    """About a setting: HANDLER_TIMEOUT_S (240 s by default) shortened to 0.5 s."""
+    engine = start_engine({**SETTINGS, "HANDLER_TIMEOUT_S": 0.5})
+    run = poison.step_with_default_deadline.start(30)
+    quick = poison.step_with_default_deadline.start(0.01)
+    load(engine, clock)
+    started = time.monotonic()
+    turns(engine, clock, n=3)
+    assert time.monotonic() - started < 10, "the turn waited for the step"
+    run.refresh_from_db()
+    quick.refresh_from_db()
+    assert run.state == "completed" and run.result.startswith("gave up"), run.result
+    assert "HandlerTimeout: the step ran past its timeout of 0.5 s" in run.result
+    assert quick.result == "done"
