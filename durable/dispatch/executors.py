@@ -268,8 +268,8 @@ class ExecutorConsumer:
 
     A message is acknowledged once its completion committed (or it proved stale or
     malformed). An unreachable database requeues it (after a pause, at most
-    ``MAX_REQUEUES`` times in a row); any other database error is recorded as the
-    attempt's failure on the row and the message acknowledged, so no message loops.
+    ``MAX_REQUEUES`` times in a row); any other error is recorded as the attempt's
+    failure on the row and the message rejected (not requeued), so no message loops.
     """
 
     def __init__(self, *, url: str, db: str, clock: Clock, resolvers: Resolvers) -> None:
@@ -376,7 +376,7 @@ class ExecutorConsumer:
         finally:
             close_old_connections()
         self.outcomes[outcome] += 1
-        message.ack()
+        message.reject()  # recorded on the row; never to be delivered again
 
 
 class EmbeddedExecutor:
