@@ -193,11 +193,20 @@ def test_frozen_worker_cannot_complete_an_external_fire_after_takeover(
         require_alive=["a", "b"],
         explain=lambda: Timer.objects.filter(pk=timer.pk).values().first(),
     )
+    # Claimed by a, never completed under a's stale token. b re-ran the claim as soon as
+    # it took the shard (claims belong to their token): its only attempt (max_attempts=1)
+    # had started and never finished, so b dead-lettered it rather than run it again.
+    workers.wait_until(
+        lambda: Timer.objects.filter(pk=timer.pk, state="failed").exists(),
+        timeout_s=15,
+        what="b dead-lettering the claim a never completed",
+        require_alive=["b"],
+        explain=lambda: Timer.objects.filter(pk=timer.pk).values().first(),
+    )
     row = Timer.objects.get(pk=timer.pk)
-    # Claimed by a, never completed under a's stale token: b runs it again once the claim
-    # expires (at least once), which is beyond this test.
-    assert row.state == "firing" and row.fired_token is None, (row.state, row.fired_token)
-    assert fired_count("ext") == 1
+    assert row.fired_token is not None and row.fired_token > old.token, row.fired_token
+    assert "AttemptsExhausted" in row.last_error, row.last_error
+    assert fired_count("ext") == 1, "a's handler ran once; nobody ran it again"
 
 
 def test_worker_frozen_inside_a_fire_does_not_stall_the_others(workers, record_property, tmp_path):
