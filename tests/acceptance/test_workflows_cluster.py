@@ -1,9 +1,9 @@
 """Workflows in real ``run_timer_shards`` processes on PostgreSQL: kill -9, restarts, volume.
 
 Worker subprocesses run on the real clock, so sleeps here are real (3 s) and every wait
-is a poll with a deadline. The workers use ``tests.acceptance.workflow_settings``: claims
-expire after 3 s, which is how long a run killed mid-replay waits before another worker
-replays it (300 s by default).
+is a poll with a deadline. The workers run the default settings: a run killed
+mid-replay is replayed by the worker that takes its shard over, as soon as it does (its
+wake-up's claim belongs to the dead worker's lease token), not when the claim expires.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from tests.acceptance.helpers import (
 )
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-SETTINGS = {"DJANGO_SETTINGS_MODULE": "tests.acceptance.workflow_settings"}
 
 
 @pytest.fixture
@@ -38,9 +37,7 @@ def cluster(transactional_db, durable_settings, tmp_path: Path):
     """Worker subprocesses running the workflow settings, stopped at the end."""
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    pool = WorkerPool(
-        database_url=database_url(connection.settings_dict), log_dir=log_dir, env=SETTINGS
-    )
+    pool = WorkerPool(database_url=database_url(connection.settings_dict), log_dir=log_dir)
     try:
         yield pool
     finally:
