@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from django.apps import AppConfig, apps
+from django.apps import AppConfig
 
-from durable.core.clock import Clock, SystemClock
+from durable.core.clock import current_clock
+
+__all__ = ["DurableConfig", "current_clock"]
 
 
 class DurableConfig(AppConfig):
-    """Registers durable's models and checks, and holds the process's clock.
+    """Registers durable's models, checks and kinds, and applies its SQLite defaults.
 
-    The clock lives here, built once in :meth:`ready`, rather than in a module global:
-    code that needs the time calls :func:`current_clock`, and tests swap it with
-    :func:`durable.testing.override_clock`.
+    The process's clock lives in :mod:`durable.core.clock` (``current_clock``); tests swap
+    it with :func:`durable.testing.override_clock`.
     """
 
     name = "durable"
     verbose_name = "Durable execution"
     default_auto_field = "django.db.models.BigAutoField"
-    clock: Clock
 
     def ready(self) -> None:
         from importlib.util import find_spec
@@ -33,7 +33,6 @@ class DurableConfig(AppConfig):
         if find_spec("django.tasks") or find_spec("django_tasks"):
             from durable import tasks  # noqa: F401  (registers the "task" kind)
 
-        self.clock = SystemClock()
         _sqlite_defaults()
 
 
@@ -47,10 +46,3 @@ def _sqlite_defaults() -> None:
     database = settings.DATABASES.get(alias) if isinstance(alias, str) else None
     if isinstance(database, dict):
         apply_defaults(database)
-
-
-def current_clock() -> Clock:
-    """Return the clock scheduling code reads the time from."""
-    config = apps.get_app_config("durable")
-    assert isinstance(config, DurableConfig)
-    return config.clock

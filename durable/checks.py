@@ -52,8 +52,8 @@ def check_orphaned_shards(
     from django.core.exceptions import ImproperlyConfigured
     from django.db import DatabaseError
 
-    from durable.apps import current_clock
     from durable.conf import get_settings
+    from durable.core.clock import current_clock
     from durable.storage import status
 
     try:

@@ -44,8 +44,8 @@ from django.core import checks
 from django.db import transaction
 from django.utils.module_loading import import_string
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire

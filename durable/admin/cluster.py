@@ -20,8 +20,8 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
 from durable.admin import base
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.timeutil import ms_to_datetime
 from durable.management.commands.durable_status import collect
 from durable.models import ShardLease, WorkerNode

@@ -28,7 +28,7 @@ from django.utils.html import format_html
 import durable
 from durable.admin import base
 from durable.admin.forms import RescheduleForm
-from durable.apps import current_clock
+from durable.core.clock import current_clock
 from durable.exceptions import DurableError
 from durable.models import Timer, TimerState
 from durable.scheduling import operations

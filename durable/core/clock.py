@@ -35,3 +35,21 @@ class SystemClock:
 
     def __repr__(self) -> str:
         return f"SystemClock(offset_ms={self.offset_ms})"
+
+
+# The process's clock. It lives in this bottom layer (not in the app config) so that the
+# scheduling code, the admin and the checks can all read it without importing durable.apps,
+# which imports them in turn. Tests swap it with durable.testing.override_clock.
+_process_clock: list[Clock] = [SystemClock()]
+
+
+def current_clock() -> Clock:
+    """Return the clock durable's scheduling API, admin and checks read the time from."""
+    return _process_clock[0]
+
+
+def install_clock(clock: Clock) -> Clock:
+    """Make ``clock`` the process's clock and return the one it replaces."""
+    previous = _process_clock[0]
+    _process_clock[0] = clock
+    return previous

@@ -16,9 +16,9 @@ from typing import Any
 
 from django.db import transaction
 
-from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
+from durable.core.clock import current_clock
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.exceptions import TimerError, UnknownHandler
 from durable.models import Timer, TimerKind

@@ -15,9 +15,9 @@ from typing import Any
 
 from django.db import transaction
 
-from durable.apps import current_clock
 from durable.conf import DurableSettings, get_settings
 from durable.core.backoff import Backoff
+from durable.core.clock import current_clock
 from durable.dispatch.celery import OPTIONS_KEY
 from durable.models import Timer, TimerKind
 from durable.scheduling import validation as v

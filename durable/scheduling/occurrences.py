@@ -33,9 +33,9 @@ from typing import Any
 
 from django.db import transaction
 
-from durable.apps import current_clock
 from durable.conf import get_settings
 from durable.core.catchup import Decision, Run, decide
+from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.context import current_fire

@@ -26,8 +26,8 @@ from typing import Any
 from django.db import transaction
 
 import durable
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.sharding import bucket_of
 from durable.core.timeutil import datetime_to_ms, ms_to_datetime

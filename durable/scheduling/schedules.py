@@ -24,8 +24,8 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.exceptions import ScheduleError
 from durable.models import CronSchedule, TimerState
 from durable.scheduling.occurrences import forget_mode

@@ -58,12 +58,10 @@ def _to_ms(delta: timedelta | int) -> int:
 @contextmanager
 def override_clock(clock: Any) -> Iterator[Any]:
     """Make ``clock`` the clock durable's scheduling API reads, for the ``with`` block."""
-    from django.apps import apps
+    from durable.core.clock import install_clock
 
-    config: Any = apps.get_app_config("durable")
-    previous = config.clock
-    config.clock = clock
+    previous = install_clock(clock)
     try:
         yield clock
     finally:
-        config.clock = previous
+        install_clock(previous)

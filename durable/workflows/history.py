@@ -21,8 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.exceptions import NonDeterminismError
 from durable.storage import workflows as store
 from durable.workflows.context import WorkflowContext

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.sharding import shard_for
 from durable.dispatch.kinds import FiringBatch, RedoCarefully

@@ -14,8 +14,8 @@ from typing import Any
 
 from django.db import transaction
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.sharding import shard_for
 from durable.exceptions import UnknownWorkflow, WorkflowError
 from durable.models import WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState

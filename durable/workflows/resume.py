@@ -33,8 +33,8 @@ from typing import Any
 from django.apps import apps
 from django.db import models, transaction
 
-from durable.apps import current_clock
 from durable.conf import get_settings
+from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire

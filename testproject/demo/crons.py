@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import durable
-from durable.apps import current_clock
+from durable.core.clock import current_clock
 from durable.core.timeutil import datetime_to_ms
 from durable.scheduling.cron import Occurrence
 from testproject.demo.models import FireRecord

@@ -43,7 +43,7 @@ import django
 django.setup()
 
 import durable
-from durable.apps import current_clock
+from durable.core.clock import current_clock
 from testproject.demo import probes
 
 prefix, count, lead_ms, spread_ms = sys.argv[1], *map(int, sys.argv[2:5])
