@@ -71,7 +71,14 @@ class DurableSettings:
     RETENTION_DAYS: float = 7.0
     """Fired and cancelled rows are pruned after this many days."""
     MAX_PAYLOAD_BYTES: int = 64 * 1024
-    """Largest JSON payload (args, kwargs, context) accepted by schedule()."""
+    """Largest JSON payload (args, kwargs, context; a signal's payload) accepted by
+    schedule(), a workflow start and send_signal()."""
+    MAX_RESULT_BYTES: int = 1024 * 1024
+    """Largest JSON result stored: a step's, a workflow's, a handler's (for on_complete)
+    or a Django task's return value. A larger one fails the step, run or attempt."""
+    MAX_STEPS_PER_RUN: int = 10_000
+    """Most ctx calls (steps, sleeps, signals, ...) one workflow run may record; every
+    replay reads them all. The call past the limit fails the run."""
     NOTIFY: bool = True
     """Send PostgreSQL NOTIFY in the scheduling transaction (ignored on other databases)."""
     DISPATCH: str = "inline"
@@ -232,6 +239,8 @@ RULES: dict[str, Rule] = {
     # 0: pruned at the next pass; the cutoff must stay a representable datetime.
     "RETENTION_DAYS": Rule(Number(0, 36_500)),
     "MAX_PAYLOAD_BYTES": Rule(Integer(1)),
+    "MAX_RESULT_BYTES": Rule(Integer(1)),
+    "MAX_STEPS_PER_RUN": Rule(Integer(1, 1_000_000)),
     "NOTIFY": Rule(Predicate(lambda v: isinstance(v, bool), "True or False")),
     "DISPATCH": Rule(
         Predicate(lambda v: v in ("inline", "kombu"), "one of 'inline', 'kombu'"), id="durable.E004"

@@ -149,8 +149,18 @@ class DurableBackend(BaseTaskBackend):
         _check_importable(task)
         conf = get_settings()
         now_ms = current_clock().now_ms()
-        fire_at_ms = now_ms if task.run_after is None else datetime_to_ms(task.run_after)
+        fire_at_ms = now_ms
+        if task.run_after is not None:
+            fire_at_ms = v.check_instant_ms(
+                datetime_to_ms(task.run_after), "run_after", task.run_after
+            )
         args, kwargs = _check_arguments(args, kwargs, conf.MAX_PAYLOAD_BYTES)
+        # Django does not check the arguments against the function: a call that cannot
+        # bind would fail every attempt in the worker.
+        leading = (None,) if task.takes_context else ()
+        v.check_binds(
+            v.signature_of(task.func), f"task {task.module_path}", (*leading, *args), kwargs
+        )
         timer = store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -412,8 +422,10 @@ def _call(task: Task, timer: Timer, args: tuple[Any, ...], kwargs: dict[str, Any
     else:
         value = task.call(*args, **kwargs)
     try:
-        v.check_json(value, "return value")
+        v.check_stored(value, "return value", get_settings().MAX_RESULT_BYTES, "MAX_RESULT_BYTES")
     except PayloadError as exc:
+        if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
+            raise
         raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
     return value
 

@@ -54,7 +54,7 @@ from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
 from durable.dispatch.broker import Outgoing, direct_queue, publishers
 from durable.dispatch.context import FireContext, firing
-from durable.dispatch.registry import HandlerSpec
+from durable.dispatch.registry import HandlerSpec, check_stored_call
 from durable.exceptions import AttemptsExhausted, HandlerAborted
 from durable.models import Timer
 from durable.storage import claims
@@ -138,6 +138,7 @@ def execute(shipment: Shipment, *, db: str, clock: Clock, resolvers: Resolvers) 
         return record_failure(db, clock, shipment, error)
     try:
         spec = resolvers[timer.kind](timer.target)
+        check_stored_call(timer.args, timer.kwargs)  # a bad row fails for good
     except Exception as exc:  # unknown handler or kind: retried, then dead letter
         with transaction.atomic(using=db):
             locked = _claimed(db, shipment, lock=True)
@@ -204,7 +205,7 @@ def _settle(
         return DONE
     text = sanitize_error(error)
     _log(logging.WARNING, "timer.error", timer=timer.pk, target=timer.target, error=text)
-    if shipment.attempt < timer.max_attempts:
+    if shipment.attempt < timer.max_attempts and not getattr(error, "final", False):
         backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
         fire_at = now_ms + backoff.delay_ms(shipment.attempt)
         # mark_retry/mark_failed read only the id of the DueTimer they are typed for.
@@ -246,12 +247,16 @@ def _context(timer: Timer, shipment: Shipment, clock: Clock) -> FireContext:
 
 
 def _json_value(value: Any) -> Any:
-    # As the worker does: a result that is not JSON is stored as None.
+    # As the worker does: a result that is not JSON, or is larger than
+    # DURABLE["MAX_RESULT_BYTES"], is stored as None.
+    from durable.conf import get_settings
+
     try:
-        json.dumps(value, allow_nan=False)
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):
         return None
-    return value
+    fits = len(text.encode(errors="replace")) <= get_settings().MAX_RESULT_BYTES
+    return value if fits else None
 
 
 def _log(level: int, name: str, **fields: Any) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from durable.core.backoff import Backoff
-from durable.exceptions import UnknownHandler
+from durable.exceptions import PayloadError, UnknownHandler
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +93,29 @@ class HandlerRegistry:
     def names(self) -> list[str]:
         """Return every registered name, sorted."""
         return sorted(self._specs)
+
+
+def check_stored_call(args: Any, kwargs: Any) -> None:
+    """Raise :class:`PayloadError` (with ``final=True``) unless a row's ``args`` is a list
+    and its ``kwargs`` a dict, as ``schedule()`` writes them.
+
+    A row written another way (raw SQL, an old version) could otherwise call the handler
+    with the characters of a string as its arguments. The worker calls this before the
+    handler and fails the timer for good on it (no retry would fix the row), without
+    calling the handler.
+    """
+    for name, value, kind, words in (
+        ("args", args, list, "an array"),
+        ("kwargs", kwargs, dict, "an object"),
+    ):
+        if not isinstance(value, kind):
+            raise PayloadError(
+                f"the timer's stored {name} is a JSON {type(value).__name__} ({value!r:.50}), "
+                f"not {words}: the row was not written by durable.schedule(); the handler "
+                "was not called",
+                path=name,
+                final=True,
+            )
 
 
 #: The process-wide registry the ``@durable.handler`` decorator writes to. Like Django's

@@ -9,6 +9,7 @@ PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from types import FunctionType
@@ -161,6 +162,7 @@ class _Planner:
         self.conf = conf
         self.now_ms = now_ms
         self._specs: dict[Any, HandlerSpec] = {}
+        self._signatures: dict[str, inspect.Signature | None] = {}
         self._parents: dict[int, str] = {}
         self._defaults = (conf.MAX_ATTEMPTS, conf.BACKOFF_BASE_S, conf.BACKOFF_MAX_S)
 
@@ -175,6 +177,7 @@ class _Planner:
         args, kwargs = v.check_payload(
             get("args", ()), get("kwargs"), context, conf.MAX_PAYLOAD_BYTES, where
         )
+        self.check_call(spec, args, kwargs, where)
         max_attempts, base_s, max_s = self.policy(spec, get("max_attempts"), get("backoff"), where)
         on_complete = get("on_complete")
         if on_complete is not None:
@@ -195,6 +198,17 @@ class _Planner:
             on_complete=on_complete or "",
             context=context,
         )
+
+    def check_call(
+        self, spec: HandlerSpec, args: list[Any], kwargs: dict[str, Any], where: str
+    ) -> None:
+        """Raise ``TypeError`` if the handler cannot be called with ``args``/``kwargs``,
+        which would otherwise fail every attempt in the worker."""
+        try:
+            signature = self._signatures[spec.name]
+        except KeyError:
+            signature = self._signatures[spec.name] = v.signature_of(spec.fn)
+        v.check_binds(signature, f"handler {spec.name}", args, kwargs, where)
 
     def policy(
         self, spec: HandlerSpec, max_attempts: Any, backoff: Any, where: str

@@ -106,4 +106,4 @@ def _check_name(value: Any, name: str) -> str:
         raise ValueError(f"{name}: must be 1 to {MAX_NAME_CHARS} characters, got {len(value)}")
     if value != value.strip() or any(c.isspace() for c in value):
         raise ValueError(f"{name}: {value!r} contains whitespace")
-    return value
+    return str(v.check_text(value, name))

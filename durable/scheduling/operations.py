@@ -30,9 +30,10 @@ from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
 from durable.core.sharding import bucket_of
-from durable.core.timeutil import datetime_to_ms, ms_to_datetime
+from durable.core.timeutil import ms_to_datetime
 from durable.exceptions import ScheduleError, TimerError
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
+from durable.scheduling import validation
 from durable.scheduling.cron import Occurrence, schedule_function
 from durable.storage import schedules as schedule_store
 from durable.storage import timers as timer_store
@@ -71,13 +72,9 @@ def reschedule(
     if (at is None) == (delay is None):
         raise TypeError("reschedule() takes exactly one of at= or delay=")
     now_ms = current_clock().now_ms()
-    if at is not None:
-        fire_at_ms = datetime_to_ms(at)  # rejects a naive datetime with a clear error
-    else:
-        assert delay is not None
-        if delay < timedelta(0):
-            raise ValueError(f"delay: must not be negative, got {delay}")
-        fire_at_ms = now_ms + int(delay.total_seconds() * 1000)
+    # Like schedule(): an aware datetime or a timedelta >= 0, not after MAX_INSTANT, and
+    # rounded up to the millisecond (never early).
+    fire_at_ms = validation.fire_at_ms(at, delay, now_ms)
     return _replace(timer_or_id, TimerState.PENDING, max(fire_at_ms, now_ms), now_ms, reset=False)
 
 
@@ -164,6 +161,7 @@ def run_schedule_now(name: str) -> Timer:
     it never overlaps a scheduled run; an ``atomic=False`` one is skipped while a
     scheduled run is in progress.
     """
+    validation.check_text(name, "name")  # NUL would fail in the database's query
     row = CronSchedule.objects.using(get_settings().DATABASE).filter(name=name).first()
     if row is None:
         raise ScheduleError(f"no schedule named {name!r}", schedule=name)

@@ -8,9 +8,11 @@ database untouched (DESIGN §11). Helpers take a ``where`` prefix so that
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
-from datetime import datetime, timedelta
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from durable.core.backoff import Backoff
@@ -18,6 +20,18 @@ from durable.core.timeutil import ceil_ms, datetime_to_ms
 from durable.exceptions import PayloadError
 
 MAX_KEY_LENGTH = 255
+#: The latest instant a timer, sleep or deadline may be due. A day before the end of year
+#: 9999, so that it converts back to a Python ``datetime`` in every time zone.
+MAX_INSTANT = datetime(9999, 12, 30, tzinfo=UTC)
+#: :data:`MAX_INSTANT` in epoch milliseconds.
+MAX_INSTANT_MS = datetime_to_ms(MAX_INSTANT)
+#: The largest ``max_attempts``: ``Timer.max_attempts`` is a 32-bit integer column.
+MAX_ATTEMPTS_LIMIT = 2_147_483_647
+#: The most digits an int in a payload may have: Python's default limit for converting
+#: an int to and from text (``sys.get_int_max_str_digits()``), which JSON does.
+MAX_INT_DIGITS = 4300
+_INT_LIMIT = 10**MAX_INT_DIGITS
+_LONGEST_DELAY = timedelta(milliseconds=MAX_INSTANT_MS)
 # Deep enough for any real payload; shallow enough to report a reference cycle clearly
 # instead of overflowing the stack.
 MAX_DEPTH = 100
@@ -47,16 +61,80 @@ def fire_at_ms(at: Any, delay: Any, now_ms: int, where: str = "") -> int:
                 f"{label(where, 'at')}: naive datetime {at!r} is ambiguous; "
                 "use an aware datetime (django.utils.timezone.now())"
             )
-        return datetime_to_ms(at)
+        return check_instant_ms(datetime_to_ms(at), label(where, "at"), at)
     if delay is not None:
-        if not isinstance(delay, timedelta):
-            raise TypeError(
-                f"{label(where, 'delay')}: expected a timedelta, got {type(delay).__name__}"
-            )
-        if delay < timedelta(0):
-            raise ValueError(f"{label(where, 'delay')}: must not be negative, got {delay!r}")
-        return now_ms + ceil_ms(delay)
+        return now_ms + check_delay(delay, now_ms, label(where, "delay"))
     return now_ms
+
+
+def check_delay(delay: Any, now_ms: int, name: str, *, positive: bool = False) -> int:
+    """Return ``delay`` (a timedelta >= 0, or > 0 if ``positive``) in ms, rounded up.
+
+    ``now + delay`` must not pass :data:`MAX_INSTANT`; errors name the argument ``name``.
+    """
+    if not isinstance(delay, timedelta):
+        raise TypeError(f"{name}: expected a timedelta, got {type(delay).__name__}")
+    if positive and delay <= timedelta(0):
+        raise ValueError(f"{name}: must be positive, got {delay!r}")
+    if delay < timedelta(0):
+        raise ValueError(f"{name}: must not be negative, got {delay!r}")
+    if delay > _LONGEST_DELAY:  # also keeps timedelta.max away from ceil_ms's negation
+        check_instant_ms(MAX_INSTANT_MS + 1, name, delay)
+    ms = ceil_ms(delay)
+    check_instant_ms(now_ms + ms, name, delay)
+    return ms
+
+
+def check_instant_ms(ms: int, name: str, given: Any) -> int:
+    """Return ``ms`` unless it is after :data:`MAX_INSTANT` (``ValueError`` naming ``name``)."""
+    if ms > MAX_INSTANT_MS:
+        raise ValueError(
+            f"{name}: {given!r} is after {MAX_INSTANT.isoformat()}, the latest instant "
+            "durable accepts"
+        )
+    return ms
+
+
+def check_text(value: Any, name: str, where: str = "") -> Any:
+    """Return ``value``; if it is a str holding NUL or a lone surrogate, raise ``ValueError``.
+
+    Names, keys and ids are stored in text columns, which cannot hold either. Other
+    checks (type, length) stay with the caller.
+    """
+    if isinstance(value, str):
+        try:
+            _check_text(value)
+        except _NotJson as bad:
+            raise ValueError(f"{label(where, name)}: {bad.problem}") from None
+    return value
+
+
+def signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """``fn``'s signature, or None when it cannot be read (then calls are not checked)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_binds(
+    signature: inspect.Signature | None, what: str, args: Any, kwargs: Any, where: str = ""
+) -> None:
+    """Raise ``TypeError`` if ``(*args, **kwargs)`` does not bind to ``signature``.
+
+    ``what`` names the callee in the message (``handler 'app.handlers.send'``).
+    """
+    if signature is None:
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        names = f"{label(where, 'args')}/{label(where, 'kwargs')}"
+        plain = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise TypeError(f"{names}: do not fit {what}{plain}: {exc}") from None
 
 
 def check_key(key: Any, where: str = "") -> str | None:
@@ -69,17 +147,23 @@ def check_key(key: Any, where: str = "") -> str | None:
         raise ValueError(
             f"{label(where, 'key')}: must be 1 to {MAX_KEY_LENGTH} characters, got {len(key)}"
         )
-    return key
+    return check_text(key, "key", where)
 
 
 def check_max_attempts(value: Any, where: str = "", name: str = "max_attempts") -> int | None:
-    """Return ``value`` if it is ``None`` or an int >= 1; raise naming the argument otherwise."""
+    """Return ``value`` if it is ``None`` or an int from 1 to :data:`MAX_ATTEMPTS_LIMIT`;
+    raise naming the argument otherwise."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label(where, name)}: expected an int >= 1, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{label(where, name)}: must be >= 1, got {value}")
+    if value > MAX_ATTEMPTS_LIMIT:
+        raise ValueError(
+            f"{label(where, name)}: must be at most {MAX_ATTEMPTS_LIMIT:,} (a 32-bit column), "
+            f"got {value}"
+        )
     return value
 
 
@@ -149,6 +233,24 @@ def check_json(value: Any, path: str) -> None:
     json_size_bound(value, path)
 
 
+def check_stored(value: Any, path: str, max_bytes: int, setting: str) -> None:
+    """Like :func:`check_json`, and its compact UTF-8 JSON must be at most ``max_bytes``.
+
+    For a value durable stores (a result, a signal's payload); ``setting`` names the
+    ``DURABLE`` key of the limit in the message. A :class:`PayloadError` too large has
+    ``size`` and ``limit`` attributes.
+    """
+    if json_size_bound(value, path) > max_bytes:
+        size = len(_compact(value).encode())
+        if size > max_bytes:
+            raise PayloadError(
+                f"{path}: {size} bytes of JSON; the limit is DURABLE[{setting!r}] = {max_bytes}",
+                path=path,
+                size=size,
+                limit=max_bytes,
+            )
+
+
 def json_size_bound(value: Any, path: str) -> int:
     """Check ``value`` like :func:`check_json` and return an upper bound of its JSON size."""
     try:
@@ -197,7 +299,10 @@ def _walk(value: Any, depth: int) -> int:
         _check_text(value)
         return 6 * len(value) + 2
     if kind is int:
-        return int(value.bit_length()) // 3 + 3
+        bits = value.bit_length()
+        if bits > 14_000 and abs(value) >= _INT_LIMIT:  # 10**4300 has 14,284 bits
+            raise _NotJson(f"int has more than {MAX_INT_DIGITS} digits, too many for JSON")
+        return int(bits) // 3 + 3
     if kind is list or kind is tuple:
         return _walk_list(value, depth)
     if kind is dict:

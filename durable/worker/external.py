@@ -367,7 +367,9 @@ class ExternalRunner:
             if error is not None:
                 self.outcomes.retry_or_fail(timer, attempt, entry.token, error, now_ms, readd)
             else:
-                result = json_value(value) if timer.on_complete else None
+                result = (
+                    json_value(value, self.conf.MAX_RESULT_BYTES) if timer.on_complete else None
+                )
                 results = {timer.id: result} if result else None
                 store.mark_fired(self.db, [timer.id], {entry.shard: entry.token}, now_ms, results)
                 if timer.on_complete:

@@ -45,7 +45,7 @@ from durable.core.clock import Clock
 from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
-from durable.dispatch.registry import HandlerRegistry, HandlerSpec
+from durable.dispatch.registry import HandlerRegistry, HandlerSpec, check_stored_call
 from durable.exceptions import AttemptsExhausted, HandlerAborted
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
@@ -300,6 +300,7 @@ class Firer:
         """Run one counted timer, or take it for the executor (then return True)."""
         try:
             spec = self._resolve(timer)
+            check_stored_call(timer.args, timer.kwargs)  # a bad row fails for good
         except Exception as exc:  # unknown handler, unknown kind: retried, then dead letter
             out.errors.append((timer, exc))
             return False
@@ -340,7 +341,9 @@ class Firer:
     ) -> None:
         now_ms = batch.now_ms
         fired = [pair for out in outcomes.values() for pair in out.fired]
-        results = {t.id: json_value(v) for t, v in fired if t.on_complete}
+        results = {
+            t.id: json_value(v, self.conf.MAX_RESULT_BYTES) for t, v in fired if t.on_complete
+        }
         # fired_at is when the batch's handlers were done (and its publishes flushed),
         # not when it started: the row then says when the fire took effect.
         done_ms = self.clock.now_ms()

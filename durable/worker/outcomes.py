@@ -50,7 +50,8 @@ class Outcomes:
     ) -> None:
         """Attempt ``attempt`` failed: put the timer back at now + backoff, or dead-letter it."""
         error = sanitize_error(exc)
-        if attempt < timer.max_attempts:
+        # final: an error no retry can fix (a row whose args are not a list, say).
+        if attempt < timer.max_attempts and not getattr(exc, "final", False):
             backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
             fire_at = now_ms + backoff.delay_ms(attempt)
             store.mark_retry(self.db, timer, attempt, fire_at, self.conf.BUCKET_SHIFT, error)
@@ -124,10 +125,11 @@ class Outcomes:
         )
 
 
-def json_value(value: Any) -> Any:
-    """The handler's return value if it is JSON, else None (results must stay storable)."""
+def json_value(value: Any, max_bytes: int) -> Any:
+    """The handler's return value if it is JSON of at most ``max_bytes``
+    (``DURABLE["MAX_RESULT_BYTES"]``), else None: results must stay storable."""
     try:
-        json.dumps(value, allow_nan=False)
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):
         return None
-    return value
+    return value if len(text.encode(errors="replace")) <= max_bytes else None

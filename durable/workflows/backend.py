@@ -34,7 +34,7 @@ from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire
 from durable.exceptions import PayloadError
 from durable.models import WorkflowState
-from durable.scheduling.validation import check_json
+from durable.scheduling.validation import check_stored
 from durable.storage import checkpoints as cp
 from durable.storage import firing
 from durable.storage import workflows as store
@@ -173,7 +173,7 @@ class DatabaseBackend:
         except Exception as exc:
             return self._failed(call, exc, final=False)
         try:
-            check_json(result, "result")
+            check_result(result)
         except PayloadError as exc:
             return self._failed(call, exc, final=True)
         record = _done(call, result)
@@ -221,7 +221,7 @@ class DatabaseBackend:
                 except Exception as exc:
                     raise _StepError(exc, final=False) from exc
                 try:
-                    check_json(result, "result")
+                    check_result(result)
                 except PayloadError as exc:
                     raise _StepError(exc, final=True) from exc
                 record = replace(record, result=result)
@@ -379,6 +379,12 @@ def suspend_key(run_id: str, record: Record) -> str:
     if record.status == Status.RETRYING:
         return store.wake_key(run_id, record.seq, f"a{record.attempts}")
     return store.wake_key(run_id, record.seq)
+
+
+def check_result(result: Any) -> None:
+    """Raise :class:`PayloadError` if a step's result is not JSON or is larger than
+    ``DURABLE["MAX_RESULT_BYTES"]``: it fails the step for good (no retry shrinks it)."""
+    check_stored(result, "result", get_settings().MAX_RESULT_BYTES, "MAX_RESULT_BYTES")
 
 
 def _done(call: StepCall, result: Any) -> Record:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable.core.backoff import Backoff
-from durable.exceptions import StepFailed
-from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
+from durable.exceptions import StepFailed, WorkflowError
+from durable.scheduling.validation import (
+    check_delay,
+    check_max_attempts,
+    check_text,
+    check_timeout,
+    to_backoff,
+)
 from durable.workflows.records import Interrupt, Kind, Record
 
 if TYPE_CHECKING:
@@ -24,15 +29,28 @@ T = TypeVar("T", bound=Callable[..., Any])
 MAX_SIGNAL_NAME = 200
 
 
-def check_signal(name: Any, timeout: Any = None) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad argument of a signal call."""
+def check_signal(name: Any, timeout: Any = None, now_ms: int = 0) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the bad argument of a signal call.
+
+    A ``timeout`` must be a positive timedelta whose deadline (from ``now_ms``) is not
+    past ``MAX_INSTANT``.
+    """
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_SIGNAL_NAME:
         raise ValueError(f"name: expected 1 to {MAX_SIGNAL_NAME} characters, got {name!r}")
+    check_text(name, "name")
     if timeout is not None:
-        if not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout: expected a timedelta, got {type(timeout).__name__}")
-        if timeout <= timedelta(0):
-            raise ValueError(f"timeout: must be positive, got {timeout!r}")
+        check_delay(timeout, now_ms, "timeout", positive=True)
+
+
+def too_many_steps(seq: int, limit: int) -> WorkflowError:
+    """The error that fails a run making more ctx calls than ``DURABLE["MAX_STEPS_PER_RUN"]``."""
+    return WorkflowError(
+        f"ctx call number {seq + 1} exceeds DURABLE['MAX_STEPS_PER_RUN'] = {limit}: every "
+        "replay reads a run's whole history, so a run records at most that many calls "
+        "(split long work into child workflows)",
+        seq=seq,
+        limit=limit,
+    )
 
 
 def call_name(fn: Any) -> str:
@@ -99,6 +117,7 @@ class StepOptions:
         policy = to_backoff(backoff, max(max_s, 1.0))
         if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
             raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
+        check_text(name, "name")
         return cls(ctx, max_attempts, policy, name, check_timeout(timeout))
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

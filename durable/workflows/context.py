@@ -30,7 +30,15 @@ from durable.exceptions import (
     SignalTimeout,
     WorkflowError,
 )
-from durable.workflows.calls import StepOptions, call_name, check_signal, op, step_failed
+from durable.scheduling.validation import check_delay, check_instant_ms, check_text
+from durable.workflows.calls import (
+    StepOptions,
+    call_name,
+    check_signal,
+    op,
+    step_failed,
+    too_many_steps,
+)
 from durable.workflows.guard import StrictGuard
 from durable.workflows.records import (
     Abort,
@@ -207,11 +215,8 @@ class WorkflowContext:
     @op
     def sleep(self, delay: timedelta) -> None:
         """Suspend the run for ``delay``; a durable timer wakes it (no thread is held)."""
-        if not isinstance(delay, timedelta):
-            raise TypeError(f"delay: expected a timedelta, got {type(delay).__name__}")
-        if delay < timedelta(0):
-            raise ValueError(f"delay: must not be negative, got {delay!r}")
-        self._sleep(lambda now: now + ceil_ms(delay))
+        ms = check_delay(delay, self._now(), "delay")  # not past MAX_INSTANT either
+        self._sleep(lambda now: now + ms)
 
     @op
     def sleep_until(self, when: datetime) -> None:
@@ -220,7 +225,7 @@ class WorkflowContext:
             raise TypeError(f"when: expected an aware datetime, got {type(when).__name__}")
         if when.tzinfo is None or when.utcoffset() is None:
             raise ValueError(f"when: naive datetime {when!r} is ambiguous; use an aware one")
-        until = datetime_to_ms(when)
+        until = check_instant_ms(datetime_to_ms(when), "when", when)
         self._sleep(lambda now: until)
 
     def _sleep(self, wake_at: Callable[[int], int]) -> None:
@@ -281,6 +286,7 @@ class WorkflowContext:
         """
         if not isinstance(change_id, str) or not 1 <= len(change_id) <= 255:
             raise ValueError(f"change_id: expected 1 to 255 characters, got {change_id!r}")
+        check_text(change_id, "change_id")
         seq = self._seq
         prior = self._history.get(seq)
         if prior is not None:
@@ -303,7 +309,7 @@ class WorkflowContext:
         :class:`~durable.exceptions.SignalTimeout` (a ``TimeoutError``) when it passes
         first; the deadline is fixed when the wait first runs.
         """
-        check_signal(name, timeout)
+        check_signal(name, timeout, self._now())
         seq, prior = self._next(Kind.SIGNAL, name)
         if prior is None:
             deadline = None if timeout is None else self._now() + ceil_ms(timeout)
@@ -377,6 +383,10 @@ class WorkflowContext:
 
     def _next(self, kind: str, name: str) -> tuple[int, Record | None]:
         seq = self._seq
+        if seq >= self._policy.max_steps:  # every replay reads the whole history
+            failure = too_many_steps(seq, self._policy.max_steps)
+            self._keep_failure(failure)
+            raise failure
         self._seq += 1
         prior = self._history.get(seq)
         if prior is not None and (prior.kind, prior.name) != (kind, name):

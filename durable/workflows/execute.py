@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from durable.conf import get_settings
 from durable.exceptions import NonDeterminismError, PayloadError, WorkflowError
-from durable.scheduling.validation import check_json
+from durable.scheduling.validation import check_stored
 from durable.workflows.context import WorkflowContext
 from durable.workflows.records import Abort, RunStopped, Suspend
 
@@ -75,8 +76,9 @@ def _completed(ctx: WorkflowContext, value: Any) -> Outcome:
         )
         return Outcome(state=FAILED, error=error)
     try:
-        check_json(value, "result")
+        check_stored(value, "result", get_settings().MAX_RESULT_BYTES, "MAX_RESULT_BYTES")
     except PayloadError as exc:
-        error = WorkflowError(f"the workflow returned a value that is not JSON: {exc}")
+        what = "too large" if "size" in exc.attrs else "not JSON"
+        error = WorkflowError(f"the workflow returned a value that is {what}: {exc}")
         return Outcome(state=FAILED, error=error)
     return Outcome(state=COMPLETED, result=value)

@@ -17,10 +17,12 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from durable.conf import get_settings
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
 from durable.exceptions import PayloadError, WorkflowError
-from durable.scheduling.validation import check_json
+from durable.scheduling.validation import check_stored
+from durable.workflows.calls import check_signal
 from durable.workflows.context import WorkflowContext
 from durable.workflows.execute import Outcome, execute
 from durable.workflows.planning import target_of
@@ -50,7 +52,8 @@ class MemoryRun:
 
     def signal(self, name: str, payload: Any = None) -> None:
         """Send a signal (kept until a wait takes it)."""
-        check_json(payload, "payload")
+        check_signal(name)
+        check_stored(payload, "payload", get_settings().MAX_PAYLOAD_BYTES, "MAX_PAYLOAD_BYTES")
         self.signals.append((name, payload))
 
     def resume(self) -> Outcome:
@@ -87,7 +90,7 @@ class _MemoryBackend:
         fields = {"seq": call.seq, "kind": call.kind, "name": call.name, "attempts": call.attempt}
         try:
             result = call.fn(*call.args, **call.kwargs)
-            check_json(result, "result")
+            check_stored(result, "result", get_settings().MAX_RESULT_BYTES, "MAX_RESULT_BYTES")
         except PayloadError as exc:
             record = Record(**fields, status=Status.FAILED, error=sanitize_error(exc))
         except Exception as exc:

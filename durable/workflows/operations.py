@@ -19,7 +19,7 @@ from durable.core.clock import current_clock
 from durable.core.sharding import shard_for
 from durable.exceptions import UnknownWorkflow, WorkflowError
 from durable.models import WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
-from durable.scheduling.validation import check_json
+from durable.scheduling.validation import check_stored, check_text
 from durable.storage import workflows as store
 from durable.workflows.calls import check_signal
 
@@ -29,7 +29,7 @@ def _run_id(run: WorkflowRun | str) -> str:
         return str(run.pk)
     if not isinstance(run, str):
         raise TypeError(f"run_id: expected a run id or a WorkflowRun, got {type(run).__name__}")
-    return run
+    return str(check_text(run, "run_id"))  # NUL would fail in the database's query
 
 
 def _locked(db: str, run_id: str) -> WorkflowRun:
@@ -48,8 +48,9 @@ def send_signal(run_id: WorkflowRun | str, name: str, payload: Any = None) -> Wo
     """
     run_id = _run_id(run_id)
     check_signal(name)
-    check_json(payload, "payload")
-    db = get_settings().DATABASE
+    conf = get_settings()
+    check_stored(payload, "payload", conf.MAX_PAYLOAD_BYTES, "MAX_PAYLOAD_BYTES")
+    db = conf.DATABASE
     now_ms = current_clock().now_ms()
     with transaction.atomic(using=db, savepoint=False):
         run = _locked(db, run_id)

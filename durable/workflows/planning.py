@@ -17,7 +17,7 @@ from django.db import models
 
 from durable.conf import get_settings
 from durable.exceptions import WorkflowError
-from durable.scheduling.validation import check_payload
+from durable.scheduling.validation import check_payload, check_text
 from durable.workflows.records import ChildRequest
 from durable.workflows.registry import METHOD, BoundWorkflow, Workflow, WorkflowDef
 
@@ -69,6 +69,7 @@ def plan_fields(
             f"{where + '.' if where else ''}run_id: expected 1 to 100 characters without "
             f"spaces or ':', got {run_id!r}"
         )
+    check_text(run_id, "run_id", where)  # the id is a text column: no NUL, no surrogate
     fields = {"id": run_id, "name": definition.name, "args": args_list, "kwargs": kwargs_dict}
     return fields | binding
 

@@ -123,6 +123,8 @@ class StepPolicy:
     backoff: Backoff = field(default_factory=Backoff)
     timeout_s: float | None = None
     """An outside step's deadline (``ctx.options(timeout=...)``); None: none."""
+    max_steps: int = 10_000
+    """Most ctx calls a run may record (``DURABLE["MAX_STEPS_PER_RUN"]``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

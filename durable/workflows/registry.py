@@ -29,7 +29,7 @@ from durable.conf import get_settings
 from durable.core.backoff import Backoff
 from durable.dispatch.registry import WHERE_TO_REGISTER
 from durable.exceptions import UnknownWorkflow
-from durable.scheduling.validation import check_max_attempts, to_backoff
+from durable.scheduling.validation import check_max_attempts, check_text, to_backoff
 from durable.workflows.records import StepPolicy
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class WorkflowDef:
         return StepPolicy(
             max_attempts=self.max_attempts or conf.MAX_ATTEMPTS,
             backoff=self.backoff or Backoff(base_s=conf.BACKOFF_BASE_S, max_s=conf.BACKOFF_MAX_S),
+            max_steps=conf.MAX_STEPS_PER_RUN,
         )
 
     def invoke(self, ctx: Any, instance: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -268,6 +269,7 @@ def _declare(
     policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
         raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
+    check_text(name, "name")
     wanted = 1 if shape == FUNCTION else 2
     positional = [p for p in inspect.signature(fn).parameters.values() if p.kind in _POSITIONAL]
     if len(positional) < wanted:
