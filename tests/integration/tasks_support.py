@@ -130,3 +130,10 @@ def watch_itself(context: Any, key: str) -> dict[str, Any]:
         "attempts": seen.attempts,
         "worker_ids": seen.worker_ids,
     }
+
+
+@task
+def repeat(n: int) -> str:
+    """Return ``n`` x's: a return value as large as asked."""
+    _record(f"repeat:{n}")
+    return "x" * n
