@@ -159,7 +159,7 @@ class DurableBackend(BaseTaskBackend):
         # bind would fail every attempt in the worker.
         leading = (None,) if task.takes_context else ()
         v.check_binds(
-            v.signature_of(task.func), f"task {task.module_path}", (*leading, *args), kwargs
+            v.call_shape(task.func), f"task {task.module_path}", (*leading, *args), kwargs
         )
         timer = store.new_pending(
             conf,

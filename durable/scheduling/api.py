@@ -9,7 +9,6 @@ PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from types import FunctionType
@@ -162,7 +161,7 @@ class _Planner:
         self.conf = conf
         self.now_ms = now_ms
         self._specs: dict[Any, HandlerSpec] = {}
-        self._signatures: dict[str, inspect.Signature | None] = {}
+        self._shapes: dict[str, v.CallShape] = {}
         self._parents: dict[int, str] = {}
         self._defaults = (conf.MAX_ATTEMPTS, conf.BACKOFF_BASE_S, conf.BACKOFF_MAX_S)
 
@@ -205,10 +204,10 @@ class _Planner:
         """Raise ``TypeError`` if the handler cannot be called with ``args``/``kwargs``,
         which would otherwise fail every attempt in the worker."""
         try:
-            signature = self._signatures[spec.name]
+            shape = self._shapes[spec.name]
         except KeyError:
-            signature = self._signatures[spec.name] = v.signature_of(spec.fn)
-        v.check_binds(signature, f"handler {spec.name}", args, kwargs, where)
+            shape = self._shapes[spec.name] = v.call_shape(spec.fn)
+        v.check_binds(shape, f"handler {spec.name}", args, kwargs, where)
 
     def policy(
         self, spec: HandlerSpec, max_attempts: Any, backoff: Any, where: str

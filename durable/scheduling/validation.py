@@ -12,6 +12,7 @@ import inspect
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -109,22 +110,37 @@ def check_text(value: Any, name: str, where: str = "") -> Any:
     return value
 
 
-def signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
-    """``fn``'s signature, or None when it cannot be read (then calls are not checked)."""
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """A callable's signature, with the positional-argument counts that surely bind when
+    no keyword argument is passed: the common case, checked without ``bind()``."""
+
+    signature: inspect.Signature | None
+    low: float = 0
+    high: float = math.inf
+
+
+def call_shape(fn: Callable[..., Any]) -> CallShape:
+    """``fn``'s :class:`CallShape`; a signature that cannot be read is never checked."""
     try:
-        return inspect.signature(fn)
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None
+        return CallShape(None)
+    params = signature.parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_keyword = any(p.kind == p.KEYWORD_ONLY and p.default is p.empty for p in params)
+    low = sum(p.default is p.empty for p in positional)
+    high = math.inf if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
+    return CallShape(signature, math.inf if required_keyword else low, high)
 
 
-def check_binds(
-    signature: inspect.Signature | None, what: str, args: Any, kwargs: Any, where: str = ""
-) -> None:
-    """Raise ``TypeError`` if ``(*args, **kwargs)`` does not bind to ``signature``.
+def check_binds(shape: CallShape, what: str, args: Any, kwargs: Any, where: str = "") -> None:
+    """Raise ``TypeError`` if ``(*args, **kwargs)`` does not bind to ``shape``'s signature.
 
-    ``what`` names the callee in the message (``handler 'app.handlers.send'``).
+    ``what`` names the callee in the message (``handler app.handlers.send``).
     """
-    if signature is None:
+    signature = shape.signature
+    if signature is None or (not kwargs and shape.low <= len(args) <= shape.high):
         return
     try:
         signature.bind(*args, **kwargs)

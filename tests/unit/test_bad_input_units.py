@@ -16,6 +16,8 @@ from durable.exceptions import PayloadError
 from durable.scheduling.validation import (
     MAX_INSTANT,
     MAX_INSTANT_MS,
+    CallShape,
+    call_shape,
     check_binds,
     check_delay,
     check_stored,
@@ -86,11 +88,36 @@ def test_check_text_passes_everything_else_through():
 def test_check_binds_names_the_callee_and_what_did_not_bind():
     def handler(a: int, *, b: int = 0) -> None: ...
 
-    signature = inspect.signature(handler)
-    check_binds(signature, "handler h", [1], {"b": 2})
+    shape = call_shape(handler)
+    check_binds(shape, "handler h", [1], {"b": 2})
+    check_binds(shape, "handler h", [1], {})
     with pytest.raises(TypeError, match=r"^args/kwargs: do not fit handler h\(a, \*, b=0\): "):
-        check_binds(signature, "handler h", [1, 2], {})
-    check_binds(None, "anything", [1, 2, 3], {"x": 1})  # unreadable signature: unchecked
+        check_binds(shape, "handler h", [1, 2], {})
+    with pytest.raises(TypeError, match=r"missing a required argument: 'a'"):
+        check_binds(shape, "handler h", [], {})
+    check_binds(call_shape(len), "builtin", [[1]], {})  # a builtin with a signature
+    check_binds(CallShape(None), "anything", [1, 2, 3], {"x": 1})  # unreadable: unchecked
+
+
+def test_the_fast_path_agrees_with_bind():
+    def f1(a, b=1, *args, c, **kw): ...
+    def f2(a, /, b, *, c=3): ...
+    def f3(*args): ...
+    def f4(): ...
+
+    for fn in (f1, f2, f3, f4):
+        shape = call_shape(fn)
+        for n in range(5):
+            try:
+                inspect.signature(fn).bind(*range(n))
+                fits = True
+            except TypeError:
+                fits = False
+            if fits:
+                check_binds(shape, "f", list(range(n)), {})
+            else:
+                with pytest.raises(TypeError):
+                    check_binds(shape, "f", list(range(n)), {})
 
 
 def test_check_stored_counts_compact_utf8_json():
