@@ -31,6 +31,9 @@ SPEC_KEYS = frozenset(
     | {"on_complete", "context", "parent"}
 )
 
+#: What an ``on_complete`` handler is called with, by keyword.
+FOLLOWUP_KWARGS = {"timer_id": 0, "context": None, "result": {}}
+
 
 def schedule(
     fn_or_dotted_name: Callable[..., Any] | str,
@@ -180,7 +183,10 @@ class _Planner:
         max_attempts, base_s, max_s = self.policy(spec, get("max_attempts"), get("backoff"), where)
         on_complete = get("on_complete")
         if on_complete is not None:
-            on_complete = self.handler(on_complete, v.label(where, "on_complete")).name
+            follow = self.handler(on_complete, v.label(where, "on_complete"))
+            # The follow-up is called with these keywords (storage.timers.create_followup).
+            self.check_call(follow, [], FOLLOWUP_KWARGS, where, "on_complete")
+            on_complete = follow.name
         parent = get("parent")
         return store.new_pending(
             conf,
@@ -199,7 +205,12 @@ class _Planner:
         )
 
     def check_call(
-        self, spec: HandlerSpec, args: list[Any], kwargs: dict[str, Any], where: str
+        self,
+        spec: HandlerSpec,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        where: str,
+        name: str = "",
     ) -> None:
         """Raise ``TypeError`` if the handler cannot be called with ``args``/``kwargs``,
         which would otherwise fail every attempt in the worker."""
@@ -207,7 +218,7 @@ class _Planner:
             shape = self._shapes[spec.name]
         except KeyError:
             shape = self._shapes[spec.name] = v.call_shape(spec.fn)
-        v.check_binds(shape, f"handler {spec.name}", args, kwargs, where)
+        v.check_binds(shape, f"handler {spec.name}", args, kwargs, where, name)
 
     def policy(
         self, spec: HandlerSpec, max_attempts: Any, backoff: Any, where: str

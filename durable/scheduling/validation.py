@@ -134,10 +134,13 @@ def call_shape(fn: Callable[..., Any]) -> CallShape:
     return CallShape(signature, math.inf if required_keyword else low, high)
 
 
-def check_binds(shape: CallShape, what: str, args: Any, kwargs: Any, where: str = "") -> None:
+def check_binds(
+    shape: CallShape, what: str, args: Any, kwargs: Any, where: str = "", name: str = ""
+) -> None:
     """Raise ``TypeError`` if ``(*args, **kwargs)`` does not bind to ``shape``'s signature.
 
-    ``what`` names the callee in the message (``handler app.handlers.send``).
+    ``what`` names the callee in the message (``handler app.handlers.send``); ``name`` the
+    argument blamed (default ``args/kwargs``).
     """
     signature = shape.signature
     if signature is None or (not kwargs and shape.low <= len(args) <= shape.high):
@@ -145,7 +148,7 @@ def check_binds(shape: CallShape, what: str, args: Any, kwargs: Any, where: str 
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
-        names = f"{label(where, 'args')}/{label(where, 'kwargs')}"
+        names = label(where, name) if name else f"{label(where, 'args')}/{label(where, 'kwargs')}"
         plain = signature.replace(
             parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
             return_annotation=signature.empty,

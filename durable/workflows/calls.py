@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable.core.backoff import Backoff
-from durable.exceptions import StepFailed, WorkflowError
+from durable.exceptions import StepFailed
 from durable.scheduling.validation import (
     check_delay,
     check_max_attempts,
@@ -40,17 +40,6 @@ def check_signal(name: Any, timeout: Any = None, now_ms: int = 0) -> None:
     check_text(name, "name")
     if timeout is not None:
         check_delay(timeout, now_ms, "timeout", positive=True)
-
-
-def too_many_steps(seq: int, limit: int) -> WorkflowError:
-    """The error that fails a run making more ctx calls than ``DURABLE["MAX_STEPS_PER_RUN"]``."""
-    return WorkflowError(
-        f"ctx call number {seq + 1} exceeds DURABLE['MAX_STEPS_PER_RUN'] = {limit}: every "
-        "replay reads a run's whole history, so a run records at most that many calls "
-        "(split long work into child workflows)",
-        seq=seq,
-        limit=limit,
-    )
 
 
 def call_name(fn: Any) -> str:

@@ -31,14 +31,7 @@ from durable.exceptions import (
     WorkflowError,
 )
 from durable.scheduling.validation import check_delay, check_instant_ms, check_text
-from durable.workflows.calls import (
-    StepOptions,
-    call_name,
-    check_signal,
-    op,
-    step_failed,
-    too_many_steps,
-)
+from durable.workflows.calls import StepOptions, call_name, check_signal, op, step_failed
 from durable.workflows.guard import StrictGuard
 from durable.workflows.records import (
     Abort,
@@ -50,6 +43,7 @@ from durable.workflows.records import (
     Status,
     StepCall,
     StepPolicy,
+    too_many_steps,
 )
 
 _SYSTEM_RANDOM = random.SystemRandom()  # never the module's seeded generator

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from durable.core.backoff import Backoff
+from durable.exceptions import WorkflowError
 
 
 class Kind:
@@ -230,3 +231,14 @@ class Backend(Protocol):
     def wait_child(self, seq: int, run_id: str) -> Record:
         """Record the child's outcome once it finished, or suspend until it does."""
         ...
+
+
+def too_many_steps(seq: int, limit: int) -> WorkflowError:
+    """The error that fails a run making more ctx calls than ``DURABLE["MAX_STEPS_PER_RUN"]``."""
+    return WorkflowError(
+        f"ctx call number {seq + 1} exceeds DURABLE['MAX_STEPS_PER_RUN'] = {limit}: every "
+        "replay reads a run's whole history, so a run records at most that many calls "
+        "(split long work into child workflows)",
+        seq=seq,
+        limit=limit,
+    )

@@ -262,3 +262,14 @@ def test_a_signal_payload_past_max_payload_bytes_is_refused_at_the_call():
             durable.send_signal(run, "go", "x" * 10)
         durable.send_signal(run, "go", "x" * 8)
     assert WorkflowSignal.objects.count() == 1
+
+
+def test_an_on_complete_handler_must_take_the_follow_up_keywords():
+    with pytest.raises(TypeError, match=r"^on_complete: do not fit handler .*one_arg\(key\): "):
+        durable.schedule(anything, on_complete=one_arg)
+    with pytest.raises(TypeError, match=r"^specs\[0\]\.on_complete: do not fit handler"):
+        durable.schedule_many([{"fn": anything, "on_complete": one_arg}])
+    assert nothing_written()
+    durable.schedule(anything, on_complete=anything)
+    durable.schedule(anything, on_complete="testproject.demo.handlers.on_done")
+    assert Timer.objects.count() == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,6 +21,11 @@ from testproject.demo import handlers as h
 
 NOW = 1_700_000_000_000
 pytestmark = pytest.mark.django_db
+
+
+@durable.handler(max_attempts=3, backoff=timedelta(seconds=10))
+def tuned_followup(timer_id: int, context: Any, result: dict[str, Any]) -> None:
+    """An ``on_complete`` handler with its own retry policy."""
 
 
 @pytest.fixture
@@ -85,7 +91,7 @@ def test_cancelling_a_child_leaves_parent_and_siblings(clock):
 
 def test_every_cancelled_timer_with_on_complete_gets_a_followup(clock):
     root = durable.schedule(h.noop, on_complete=h.on_done, context={"order": 1})
-    child = durable.schedule(h.noop, parent=root, on_complete=h.flaky, context=["c"])
+    child = durable.schedule(h.noop, parent=root, on_complete=tuned_followup, context=["c"])
     durable.schedule(h.noop, parent=root)  # no on_complete: no follow-up
     clock.advance(5_000)
     assert durable.cancel(root) is True
@@ -102,7 +108,7 @@ def test_every_cancelled_timer_with_on_complete_gets_a_followup(clock):
     assert mine.parent_id is None  # a later cancel of the tree must not cancel the report
     childs = followups[f"on_complete:{child.pk}"]
     assert childs.kwargs["context"] == ["c"] and childs.shard == child.shard
-    assert (childs.max_attempts, childs.backoff_base_s) == (3, 10.0)  # flaky's own policy
+    assert (childs.max_attempts, childs.backoff_base_s) == (3, 10.0)  # the handler's policy
 
 
 @pytest.mark.django_db(transaction=True)

@@ -141,6 +141,18 @@ def test_unknown_handler_is_retried_not_lost(consumer, clock):
     assert row.state == "pending" and "unknown handler" in row.last_error
 
 
+@pytest.mark.parametrize("handler", [probes.record, probes.record_external])
+def test_a_row_whose_args_is_not_a_list_is_dead_lettered_without_a_call(consumer, clock, handler):
+    timer = durable.schedule(handler, args=["a"], max_attempts=5)
+    Timer.objects.filter(pk=timer.pk).update(args="abc")  # as raw SQL or an old version could
+    claim_and_ship(timer, clock)
+    consumer.drain()
+    row = Timer.objects.get(pk=timer.pk)
+    assert (row.state, row.attempts) == ("failed", 1)
+    assert "stored args is a JSON str ('abc'), not an array" in row.last_error
+    assert consumer.outcomes[FAILED] == 1 and keys() == []
+
+
 def test_malformed_messages_are_rejected(consumer, clock):
     with Connection(MEMORY) as conn:
         conn.SimpleQueue(QUEUE).put({"timer_id": "1"}, serializer="json")
