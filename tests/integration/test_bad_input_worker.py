@@ -221,3 +221,29 @@ def test_a_sleep_past_the_bound_raises_into_the_workflow(engine, clock):
     assert run.result.startswith("delay: datetime.timedelta(days=999999999")
     assert "is after 9999-12-30T00:00:00+00:00" in run.result
     assert not WorkflowRun.objects.filter(state="sleeping").exists()
+
+
+# -- 5. a stored backoff out of bounds (a row from before the bounds) -------------------------
+
+
+@durable.handler
+def fails(key: str) -> None:
+    """Always fails."""
+    raise RuntimeError(f"{key} failed")
+
+
+def test_a_stored_backoff_out_of_bounds_does_not_crash_the_worker(engine, clock):
+    worker = engine()
+    timer = durable.schedule(fails, args=["k"], max_attempts=5)
+    Timer.objects.filter(pk=timer.pk).update(backoff_base_s=1e17, backoff_max_s=1e17)
+    good = durable.schedule(touch, args=["good"])
+    load(worker, clock)
+    turns(worker, clock, n=3)
+    row = Timer.objects.get(pk=timer.pk)
+    # Its retry time cannot be computed: it is dead-lettered with an error that says why,
+    # instead of "bigint out of range" retried for ever; its neighbours fire.
+    assert (row.state, row.attempts) == ("failed", 1)
+    assert "backoff base_s must be > 0 and <= 31,536,000 s (365 days), got 1e+17" in (
+        row.last_error
+    )
+    assert Timer.objects.get(pk=good.pk).state == "fired"
