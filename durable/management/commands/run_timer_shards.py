@@ -103,4 +103,11 @@ class Command(BaseCommand):
         # Full collections over it took 35-50 ms with 10,000 runs asleep, every few
         # seconds, and showed as the p99 of wake-up lateness (docs/benchmarks.md).
         gc.freeze()
+        shards = options["shards"] or f"0-{conf.SHARDS - 1}"
+        self.stdout.write(
+            f"durable worker {engine.node} started: shards {shards} of {conf.SHARDS}, "
+            f"{options['threads']} handler threads, database {conf.DATABASE!r} "
+            "(Ctrl-C stops cleanly)"
+        )
         engine.run(duration_s=options["duration"])
+        self.stdout.write(f"durable worker {engine.node} stopped")
