@@ -235,6 +235,18 @@ def test_bad_step_policies_are_rejected_at_the_call():
         StepOptions.checked(None, None, None, None, 60.0, None, (None, ()))  # type: ignore[arg-type]
 
 
+def test_a_memory_run_gives_up_as_the_worker_does():
+    from durable.testing import ManualClock
+    from durable.workflows.memory import MemoryRun
+
+    run = MemoryRun(gives_up_in_a_step, "m1", clock=ManualClock(start_ms=0))
+    outcome = run.resume()
+    assert outcome.state == "failed" and isinstance(outcome.error, StepFailed)
+    assert run.history[0].attempts == 1 and h.CALLS["m1"] == 1
+    run = MemoryRun(catches_a_final_step, "m2", "KeyError", clock=ManualClock(start_ms=0))
+    assert run.resume().result == {"failed": "lookup", "attempts": 1, "error": "KeyError: 'm2'"}
+
+
 # -- Django tasks ---------------------------------------------------------------------
 
 
