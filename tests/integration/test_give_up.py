@@ -8,6 +8,7 @@ Django tasks are ``FAILED`` after one.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -55,10 +56,17 @@ def keys():
 # -- handlers -------------------------------------------------------------------------
 
 
-def test_an_atomic_handler_that_gives_up_is_dead_lettered_at_once(engine, clock):
+def test_an_atomic_handler_that_gives_up_is_dead_lettered_at_once(engine, clock, caplog):
     bad = durable.schedule(h.declines, args=["pay-1"], on_complete=h.followup)
     good = durable.schedule(h.record, args=["neighbour"])
-    turns(engine, clock)
+    with caplog.at_level(logging.ERROR, logger="durable.worker"):
+        turns(engine, clock)
+    [dead] = [
+        r.durable
+        for r in caplog.records
+        if getattr(r, "durable", {}).get("event") == "timer.dead_letter"
+    ]
+    assert (dead["timer"], dead["attempts"], dead["gave_up"]) == (bad.pk, 1, True)
     got = row(bad)
     assert got.state == TimerState.FAILED
     assert (got.attempts, got.max_attempts) == (1, 5)

@@ -106,6 +106,17 @@ def test_a_signal_due_after_its_run_finished_is_dead_lettered_at_once(driver):
     assert WorkflowSignal.objects.filter(payload="late").count() == 0
 
 
+def test_an_operator_can_fire_a_scheduled_signal_now(driver):
+    from durable.scheduling.operations import fire_now
+
+    run = driver.settle(waits_for_go.start(), "waiting")
+    timer = durable.send_signal(run, "go", "early", delay=timedelta(days=1))
+    moved = fire_now(timer)
+    assert moved is not None and (moved.kind, moved.args) == ("signal", ["go", "early"])
+    assert driver.settle(run, "completed").result == "early"
+    assert Timer.objects.get(pk=timer.pk).state == TimerState.CANCELED
+
+
 def test_cancelling_the_run_cancels_its_scheduled_signals(driver):
     run = driver.settle(waits_for_go.start(), "waiting")
     timer = durable.send_signal(run, "go", "x", delay=timedelta(seconds=5))
