@@ -45,6 +45,7 @@ class TimerKind(models.TextChoices):
     WORKFLOW = "workflow", "workflow wake-up"
     CRON = "cron", "cron occurrence"
     TASK = "task", "Django task"
+    SIGNAL = "signal", "scheduled signal"
 
 
 class Timer(models.Model):

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from durable.core.backoff import Backoff
-from durable.exceptions import UnknownHandler
+from durable.dispatch.giveup import final
+from durable.exceptions import HandlerAborted, UnknownHandler
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +38,16 @@ class HandlerSpec:
     """Seconds an attempt may run before it is abandoned as failed; ``None`` uses
     ``DURABLE["ATOMIC_TIMEOUT_S"]`` (atomic) or ``DURABLE["HANDLER_TIMEOUT_S"]``;
     ``math.inf`` sets no deadline."""
+    retry_on: tuple[type[Exception], ...] = ()
+    """Only these exceptions are retried; any other is final (empty: all are retried)."""
+    give_up_on: tuple[type[Exception], ...] = ()
+    """These exceptions are final (dead letter at once); see :mod:`durable.dispatch.giveup`."""
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """What an attempt that raised ``exc`` is recorded as: contained (a
+        ``BaseException`` becomes ``HandlerAborted``), and marked final when ``GiveUp`` or
+        the ``retry_on``/``give_up_on`` policy says so."""
+        return final(HandlerAborted.contain(exc), self.retry_on, self.give_up_on)
 
 
 def handler_name(fn: Callable[..., Any]) -> str:

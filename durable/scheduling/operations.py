@@ -12,7 +12,8 @@ row with the same handler, arguments, key, parent, children and ``on_complete``,
 cancel the old one (without a follow-up) with ``result = {"replaced_by": <new id>}``.
 Code that must find a timer again after an operator moved it should use its key.
 
-Only timers of kind ``handler`` and ``celery`` can be moved: a cron occurrence belongs
+Only timers of kind ``handler``, ``celery`` and ``signal`` (a scheduled signal) can be
+moved: a cron occurrence belongs
 to its schedule's chain (use :func:`run_schedule_now`), a workflow wake-up to its run
 (use ``durable.workflows.operations.retry``).
 """
@@ -42,7 +43,7 @@ __all__ = ["fire_now", "reschedule", "retry", "run_schedule_now"]
 log = logging.getLogger("durable.operations")
 
 #: Kinds whose timers an operator may move; see the module docstring.
-MOVABLE_KINDS = frozenset({TimerKind.HANDLER.value, TimerKind.CELERY.value})
+MOVABLE_KINDS = frozenset({TimerKind.HANDLER.value, TimerKind.CELERY.value, TimerKind.SIGNAL.value})
 #: Fields copied from a timer to its replacement.
 _COPIED = (
     "shard",
