@@ -97,8 +97,11 @@ class ShardLeaseAdmin(_ViewOnly):
         return TemplateResponse(request, "admin/durable/overview.html", context)
 
     def _may_view(self, request: HttpRequest, model: type[Model]) -> bool:
-        model_admin = self.admin_site._registry.get(model)
-        return model_admin is not None and bool(model_admin.has_view_permission(request))
+        # Ask the model's own admin, so the overview agrees with the model's pages
+        # (a site that unregisters a model hides its section too).
+        if not self.admin_site.is_registered(model):
+            return False
+        return bool(self.admin_site.get_model_admin(model).has_view_permission(request))
 
 
 #: The overview's sections beyond the shards, and the model whose view permission each

@@ -64,22 +64,22 @@ class SignalForm(forms.Form):
             return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc}") from None
-        except NotStrictJSON as exc:
+        except _NotStrictJSON as exc:
             raise forms.ValidationError(f"Not strict JSON: {exc}") from None
 
 
-class NotStrictJSON(ValueError):
+class _NotStrictJSON(ValueError):
     """A payload uses what Python's ``json`` accepts but JSON does not (NaN, Infinity)."""
 
 
 def _no_constant(name: str) -> Any:
     # Python's json reads NaN, Infinity and -Infinity; JSON has no such values, and a
     # payload holding them could not be stored in a JSON column or read by other tools.
-    raise NotStrictJSON(f"{name} is not a JSON value (payloads are strict JSON)")
+    raise _NotStrictJSON(f"{name} is not a JSON value (payloads are strict JSON)")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999 reads as inf
-        raise NotStrictJSON(f"{text} is too large for a JSON number (it would read as infinity)")
+        raise _NotStrictJSON(f"{text} is too large for a JSON number (it would read as infinity)")
     return value
