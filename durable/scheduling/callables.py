@@ -60,7 +60,7 @@ def handler_path(
     can find by name: declared with ``@durable.cron`` or ``@durable.every``, named in
     ``CRONS``, or decorated with ``@durable.handler``. Raises ``ScheduleError``
     (``durable.E016``, or ``E018`` when ``kwargs`` do not bind) starting ``handler:``
-    or ``kwargs:``.
+    or ``kwargs:``; ``kwargs=None`` leaves out the check of the keyword arguments.
     """
     fn = _import(handler) if isinstance(handler, str) else handler
     if not inspect.isfunction(fn):
@@ -70,14 +70,17 @@ def handler_path(
         raise _fail(f"handler: {path} is not importable by name; define it at module level")
     if inspect.iscoroutinefunction(fn):
         raise _fail(f"handler: {path} is async")
-    check_binding(fn, path, kwargs or {})
+    check_binding(fn, path, kwargs)
     if registered:
         _check_registered(handler if isinstance(handler, str) else path)
     return handler if isinstance(handler, str) else path
 
 
-def check_binding(fn: Any, path: str, kwargs: dict[str, Any]) -> None:
-    """Raise ``ScheduleError`` unless ``fn(occurrence, **kwargs)`` binds to its signature."""
+def check_binding(fn: Any, path: str, kwargs: dict[str, Any] | None) -> None:
+    """Raise ``ScheduleError`` unless ``fn(occurrence, **kwargs)`` binds to its signature.
+
+    ``kwargs=None`` (they were refused already) checks the occurrence argument only.
+    """
     signature = inspect.signature(fn)
     try:
         signature.bind_partial(None)
@@ -85,6 +88,8 @@ def check_binding(fn: Any, path: str, kwargs: dict[str, Any]) -> None:
         raise _fail(
             f"handler: {path} must accept one positional argument (the occurrence)"
         ) from None
+    if kwargs is None:
+        return
     try:
         signature.bind(None, **kwargs)
     except TypeError as exc:
@@ -95,7 +100,7 @@ def check_binding(fn: Any, path: str, kwargs: dict[str, Any]) -> None:
             ) from None
         raise _fail(
             f"kwargs: {path}(occurrence, **kwargs) does not accept kwargs "
-            f"{{{', '.join(map(repr, sorted(kwargs)))}}}: {exc}",
+            f"{', '.join(map(repr, sorted(kwargs)))}: {exc}",
             "durable.E018",
             "kwargs",
         ) from None

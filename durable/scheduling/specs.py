@@ -152,7 +152,7 @@ def build_spec(
     _check_name(name, found)
     kind, expression, interval_ms, anchor_ms = _calendar(cron, every, anchor, found)
     grace_ms = _check_options(tz, catch_up, overlap, grace, atomic, found)
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] | None = None  # None: refused, so not bound to the function either
     try:
         kw = check_kwargs(kwargs)
     except ScheduleError as exc:
@@ -176,7 +176,7 @@ def build_spec(
         overlap=overlap,
         grace_ms=grace_ms,
         atomic=atomic,
-        kwargs=kw,
+        kwargs=kw or {},
         source=source,
     )
 

@@ -173,6 +173,52 @@ def test_a_0230_schedule_fires_once_on_each_dst_day(engine, clock, tz, start, ex
     assert row("night").skipped_count == 0
 
 
+@pytest.mark.parametrize(
+    ("expression", "start", "expected"),
+    [
+        # Wildcards (minute or hour field starting with "*") follow the running clock,
+        # as Vixie cron's do: nothing in the skipped hour, both passes of the repeated one.
+        (
+            "*/30 * * * *",
+            datetime(2030, 3, 31, 0, 15, tzinfo=UTC),  # Paris springs forward at 01:00 UTC
+            ["03-31 01:30 CET", "03-31 03:00 CEST", "03-31 03:30 CEST"],
+        ),
+        (
+            "*/30 * * * *",
+            datetime(2030, 10, 27, 0, 15, tzinfo=UTC),  # and falls back at 01:00 UTC
+            ["10-27 02:30 CEST", "10-27 02:00 CET", "10-27 02:30 CET"],
+        ),
+        (
+            "0 */2 * * *",
+            datetime(2030, 3, 30, 22, 30, tzinfo=UTC),
+            ["03-31 00:00 CET", "03-31 04:00 CEST", "03-31 06:00 CEST"],
+        ),
+        (
+            "0 */2 * * *",
+            datetime(2030, 10, 26, 22, 30, tzinfo=UTC),
+            ["10-27 02:00 CEST", "10-27 02:00 CET", "10-27 04:00 CET"],
+        ),
+    ],
+)
+def test_wildcard_schedules_follow_the_clock_across_dst(engine, clock, expression, start, expected):
+    clock.set(start)
+    engine.tick()
+    schedules.create("wild", RECORD, cron=expression, tz="Europe/Paris")
+    for _ in expected:
+        clock.set(row("wild").next_ms)
+        engine.tick()
+        clock.advance(S)
+        engine.tick()
+    zone = ZoneInfo("Europe/Paris")
+    fired = [
+        ms_to_wall(ms, zone).strftime("%m-%d %H:%M ")
+        + datetime.fromtimestamp(ms / 1000, UTC).astimezone(zone).tzname()
+        for ms, _ in runs("wild")
+    ]
+    assert fired == expected
+    assert row("wild").skipped_count == 0
+
+
 def test_an_interval_keeps_its_utc_cadence_across_dst(engine, clock):
     clock.set(datetime(2030, 3, 31, 0, 30, tzinfo=UTC))  # Paris springs forward at 01:00 UTC
     engine.tick()
