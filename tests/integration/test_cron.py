@@ -650,7 +650,7 @@ def test_every_refuses_bad_periods_naming_the_argument(period, shown):
     expected = f"@durable.every on {JOB}: every: expected a timedelta or a number of seconds "
     with pytest.raises(ScheduleError, match=f"^{expected}from 1 s to 366 days, {shown}$"):
         durable.every(period)(decorated_job)
-    with pytest.raises(ScheduleError, match="every: .*not whole milliseconds"):
+    with pytest.raises(ScheduleError, match=r"every: .*not whole milliseconds"):
         durable.every(1.0001)(decorated_job)
 
 

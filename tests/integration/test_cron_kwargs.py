@@ -90,12 +90,11 @@ def test_update_changes_the_kwargs_of_the_next_runs(engine, clock):
     pending = list(Timer.objects.filter(kind="cron", state="pending").values_list("pk", flat=True))
     schedules.update("hello", kwargs={"greeting": "salut", "times": 2})
     # Not a new calendar: the pending occurrence stays, and runs with the new kwargs.
-    assert list(
-        Timer.objects.filter(kind="cron", state="pending").values_list("pk", flat=True)
-    ) == (pending)
+    still = Timer.objects.filter(kind="cron", state="pending").values_list("pk", flat=True)
+    assert list(still) == pending
     step(engine, clock, 10 * S)
     assert got("hello") == ["hi:1", "salut:2"]
-    with pytest.raises(ScheduleError, match="^schedule 'hello': kwargs: .*'colour'") as caught:
+    with pytest.raises(ScheduleError, match=r"^schedule 'hello': kwargs: .*'colour'") as caught:
         schedules.update("hello", kwargs={"greeting": "x", "colour": "red"})
     assert caught.value.check_id == "durable.E018"
     assert CronSchedule.objects.get(name="hello").kwargs == {"greeting": "salut", "times": 2}
@@ -191,7 +190,7 @@ def test_bad_kwargs_are_refused_where_declared(settings, kwargs, check_id, messa
 
 
 def test_a_function_without_keyword_parameters_refuses_kwargs():
-    with pytest.raises(ScheduleError, match="kwargs: .*plain\\(occurrence, \\*\\*kwargs\\)"):
+    with pytest.raises(ScheduleError, match=r"kwargs: .*plain\(occurrence, \*\*kwargs\)"):
         durable.cron("0 9 * * *", kwargs={"x": 1})(plain)
 
 
