@@ -46,7 +46,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Occurrence:
-    """One occurrence of a schedule, as handed to its handler: ``handler(occurrence)``."""
+    """One occurrence of a schedule, as handed to its function: ``fn(occurrence, **kwargs)``."""
 
     schedule: str
     """The schedule's name."""
@@ -229,12 +229,13 @@ def _default_name(fn: Any) -> str:
     return f"{module}.{qualname}"
 
 
-def _helper(make: Callable[[], str]) -> tuple[str, tuple[ScheduleError, ...]]:
+def _helper_expression(make: Callable[[], str]) -> tuple[str, tuple[ScheduleError, ...]]:
     # A helper's own arguments (at=, on=, day=, minute=) are checked with the rest.
     try:
         return make(), ()
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]
+        field = field if field.isidentifier() else "cron"
         return "* * * * *", (ScheduleError(str(exc), field=field, check_id="durable.E010"),)
 
 
@@ -266,13 +267,17 @@ class CronDecorator:
         occurrence: ``fn(occurrence, **kwargs)``. Bad arguments raise one
         ``ScheduleError`` naming the function and every problem, at import.
         """
-        return self._declare(expression, (), locals())
-
-    def _declare(
-        self, expression: str, early: tuple[ScheduleError, ...], options: dict[str, Any]
-    ) -> Callable[[F], F]:
-        options = {k: v for k, v in options.items() if k not in ("self", "expression")}
-        return _declaration("@durable.cron", {"cron": expression, **options}, early)
+        options = {
+            "cron": expression,
+            "tz": tz,
+            "catch_up": catch_up,
+            "overlap": overlap,
+            "name": name,
+            "grace": grace,
+            "atomic": atomic,
+            "kwargs": kwargs,
+        }
+        return _declaration("@durable.cron", options)
 
     def hourly(self, *, minute: int = 0, **options: Any) -> Callable[[F], F]:
         """Every hour at ``minute`` (UTC unless ``tz=``); other options as :meth:`__call__`."""
@@ -293,7 +298,7 @@ class CronDecorator:
         return self._helper(lambda: calendar.monthly_expression(day, at), options)
 
     def _helper(self, make: Callable[[], str], options: dict[str, Any]) -> Callable[[F], F]:
-        expression, early = _helper(make)
+        expression, early = _helper_expression(make)
         return _declaration("@durable.cron", {"cron": expression, **options}, early)
 
 
@@ -321,8 +326,17 @@ def every(
     epoch, so ``every(timedelta(hours=1))`` fires on the hour, the same on every
     worker). Other options, ``kwargs`` included, as :func:`durable.cron`.
     """
-    options = {k: v for k, v in locals().items() if k != "period"}
-    return _declaration("@durable.every", {"every": period, **options})
+    options = {
+        "every": period,
+        "anchor": anchor,
+        "catch_up": catch_up,
+        "overlap": overlap,
+        "name": name,
+        "grace": grace,
+        "atomic": atomic,
+        "kwargs": kwargs,
+    }
+    return _declaration("@durable.every", options)
 
 
 def _without(options: dict[str, Any], key: str) -> dict[str, Any]:

@@ -213,14 +213,17 @@ def _check_options(
 
 
 def _duration(value: Any) -> timedelta | None:
-    """``value`` as a timedelta (numbers are seconds); None if it is not one, or too long."""
+    """``value`` as a timedelta (numbers are seconds); None if it is not a finite one."""
     if isinstance(value, timedelta):
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if not math.isfinite(value) or abs(value) > MAX_INTERVAL.total_seconds():
+    if not math.isfinite(value):
         return None
-    return timedelta(seconds=value)
+    try:
+        return timedelta(seconds=value)
+    except OverflowError:  # beyond timedelta's 999,999,999 days
+        return None
 
 
 def _check_name(name: Any, found: Problems) -> None:
