@@ -827,6 +827,21 @@ def test_check_reports_every_problem_of_one_crons_entry(settings):
     assert errors[6][1] == "DURABLE['CRONS']['no-task']: task: missing (the function's dotted path)"
 
 
+def test_check_names_the_decorated_function_in_every_message(settings):
+    from durable.checks import check_crons
+
+    settings.INSTALLED_APPS = [*settings.INSTALLED_APPS, "tests.integration.bad_crons_app"]
+    where = "@durable.cron on tests.integration.bad_crons_app.crons.nightly"
+    errors = [(e.id, e.msg) for e in check_crons()]
+    assert [i for i, _ in errors] == ["durable.E010", "durable.E011", "durable.E018"]
+    assert all(m.startswith(f"{where}: ") for _, m in errors)
+    assert errors[0][1] == (
+        f"{where}: cron: invalid cron expression '0 25 * * *': is not acceptable, out of range"
+    )
+    assert errors[1][1].startswith(f"{where}: tz: unknown time zone 'Mars/Olympus'")
+    assert errors[2][1].startswith(f"{where}: kwargs: ") and "'colour'" in errors[2][1]
+
+
 def test_check_reports_a_name_declared_twice(settings):
     from durable.checks import check_crons
     from durable.scheduling.cron import declared
