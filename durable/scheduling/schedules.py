@@ -109,7 +109,9 @@ def update(
 
     Passing ``cron=`` turns an interval schedule into a cron one and ``every=`` the
     reverse. A new calendar takes effect at once: the pending occurrence is replaced by
-    the first occurrence of the new calendar after now.
+    the first occurrence of the new calendar after now. ``kwargs=`` replaces the keyword
+    arguments of the next runs (checked against the function if this process has it
+    registered; ``{}`` or ``None`` removes them).
     """
     db, now = _context()
     with transaction.atomic(using=db, savepoint=False):
