@@ -41,7 +41,10 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
     actions = ("pause", "resume", "run_now")
     object_actions = {"pause": "Pause", "resume": "Resume", "run_now": "Run now"}
     fieldsets = (
-        (None, {"fields": ("name", "handler", "calendar", "enabled", "source", "atomic")}),
+        (
+            None,
+            {"fields": ("name", "handler", "kwargs", "calendar", "enabled", "source", "atomic")},
+        ),
         ("Policies", {"fields": ("catch_up", "overlap", "grace_ms")}),
         ("Next", {"fields": ("next_run", "running")}),
         (

@@ -217,9 +217,9 @@ def _call(db: str, row: CronSchedule, now_ms: int, *, atomic: bool) -> tuple[str
         fn = schedule_function(row.handler)  # a lookup: row data is never imported
         if atomic:
             with transaction.atomic(using=db):  # a failure undoes only the handler's writes
-                fn(occurrence)
+                fn(occurrence, **row.kwargs)
         else:
-            fn(occurrence)
+            fn(occurrence, **row.kwargs)
     except Exception as exc:
         error = sanitize_error(exc)
         log.warning("cron.run_now_failed schedule=%s error=%s", row.name, error)
