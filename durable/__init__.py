@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # public name -> "module:attribute"
 _EXPORTS: dict[str, str] = {
     "DurableError": "durable.exceptions:DurableError",
+    "GiveUp": "durable.exceptions:GiveUp",
     "handler": "durable.scheduling.handlers:handler",
     "schedule": "durable.scheduling.api:schedule",
     "schedule_many": "durable.scheduling.api:schedule_many",

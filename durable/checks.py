@@ -147,8 +147,10 @@ def run_worker_checks(command: BaseCommand, *, everything: bool, shards: bool) -
 
 # Schedules: durable.E010 invalid cron expression, E011 unknown time zone, E012 unknown
 # catch-up policy, E013 unknown overlap policy, E014 duplicate schedule name, E015
-# malformed DURABLE["CRONS"] entry, E016 handler not importable or of the wrong shape,
-# E017 invalid interval or anchor, E018 invalid grace or atomic, E019 invalid name.
+# malformed DURABLE["CRONS"] entry, E016 function not importable or of the wrong shape,
+# E017 invalid interval or anchor, E018 invalid grace, atomic or kwargs, E019 invalid
+# name. Each message names the decorated function or the CRONS entry, and every problem
+# of a declaration is its own message.
 @checks.register()
 def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Validate the declared schedules: ``DURABLE["CRONS"]`` and the decorators."""
@@ -165,9 +167,11 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
         return []  # reported as durable.E001
     errors: list[checks.CheckMessage] = []
     try:
-        autodiscover_modules("crons")  # decorators validate as they run
+        # Decorators validate as they run; a module stops at its first bad declaration
+        # (that is how imports work), whose problems are all reported.
+        autodiscover_modules("crons")
     except ScheduleError as exc:
-        errors.append(checks.Error(str(exc), id=getattr(exc, "check_id", "durable.E015")))
+        errors += _schedule_errors(exc)
     if not isinstance(crons, dict):
         errors.append(
             checks.Error(
@@ -181,7 +185,7 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
         try:
             settings_spec(name, entry)
         except ScheduleError as exc:
-            errors.append(checks.Error(str(exc), id=getattr(exc, "check_id", "durable.E015")))
+            errors += _schedule_errors(exc)
         if name in decorated:
             errors.append(
                 checks.Error(
@@ -191,6 +195,12 @@ def check_crons(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
                 )
             )
     return errors
+
+
+def _schedule_errors(exc: Exception) -> list[checks.CheckMessage]:
+    """One check message per problem a ``ScheduleError`` lists (itself if it lists none)."""
+    problems = getattr(exc, "problems", None) or [exc]
+    return [checks.Error(str(p), id=getattr(p, "check_id", "durable.E015")) for p in problems]
 
 
 # durable.E007: DURABLE["IMPORTS"] names a module that cannot be found. Its type (a list

@@ -60,6 +60,26 @@ class PayloadError(TimerError, ValueError):
     """A payload is not JSON-serializable or is too large."""
 
 
+class GiveUp(DurableError):
+    """The work failed for good: do not retry it.
+
+    Raise it from a handler, a workflow step or a Django task to fail at once, whatever
+    attempts are left: the timer is dead-lettered (its ``on_complete`` follow-up gets
+    ``{"status": "failed", ...}``), the step fails (``StepFailed`` reaches the workflow
+    code), the task's result is ``FAILED``. ``cause`` (optional) is the exception that
+    made it final; it is also chained as ``__cause__``. ``GiveUp(cause=exc)`` without a
+    message says ``"<type of exc>: <exc>"``.
+    """
+
+    def __init__(self, message: str | None = None, *, cause: BaseException | None = None) -> None:
+        if message is None:  # the cause's words, else the docstring's first line
+            first = (type(self).__doc__ or "").strip().splitlines()[:1]
+            message = f"{type(cause).__name__}: {cause}" if cause is not None else "".join(first)
+        super().__init__(message, cause=cause)
+        if cause is not None:
+            self.__cause__ = cause
+
+
 class ShardError(DurableError):
     """A shard lease operation failed."""
 

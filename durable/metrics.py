@@ -8,6 +8,7 @@ database backlog, leases, errors and rebuilds.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 from typing import Any
 
@@ -111,5 +112,27 @@ class WorkerMetrics:
             self.workflow_runs.labels(state).set(count)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> Any:
-        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread."""
-        return start_http_server(port, addr=host, registry=self.registry)
+        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread.
+
+        ``port`` 0 takes any free port. Raises ``ValueError`` for a port outside
+        0..65535 and :class:`MetricsPortInUse` when another socket holds it; any
+        other ``OSError`` (an address this host does not have, a privileged port) passes
+        through.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port: expected an integer in 0..65535, got {port!r}")
+        try:
+            return start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsPortInUse(port, host) from exc
+            raise
+
+
+class MetricsPortInUse(OSError):
+    """The metrics port is already bound by another socket (``errno.EADDRINUSE``)."""
+
+    def __init__(self, port: int, host: str) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use on {host}")
+        self.port = port
+        self.host = host

@@ -45,6 +45,7 @@ class TimerKind(models.TextChoices):
     WORKFLOW = "workflow", "workflow wake-up"
     CRON = "cron", "cron occurrence"
     TASK = "task", "Django task"
+    SIGNAL = "signal", "scheduled signal"
 
 
 class Timer(models.Model):
@@ -212,6 +213,9 @@ class CronSchedule(models.Model):
     grace_ms = models.BigIntegerField(default=60_000)
     handler = models.CharField(max_length=255, help_text="dotted path of the function run")
     atomic = models.BooleanField(default=True)
+    kwargs = models.JSONField(
+        default=dict, blank=True, help_text="keyword arguments passed to the function at each run"
+    )
     enabled = models.BooleanField(default=True)
     source = models.CharField(max_length=10, choices=Source.choices, default=Source.API)
     declaration = models.JSONField(

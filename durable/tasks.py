@@ -51,7 +51,7 @@ from durable.core.timeutil import datetime_to_ms, ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import register_kind
 from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerSpec
-from durable.exceptions import PayloadError, UnknownHandler
+from durable.exceptions import GiveUp, PayloadError, UnknownHandler
 from durable.scheduling import validation as v
 
 if TYPE_CHECKING:
@@ -378,8 +378,9 @@ def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     The result is written before the task is called (``RUNNING``, with its start, attempt
     time and worker ids) and again when it returns or raises. Sends ``task_started`` and
     ``task_finished``. An ``Exception`` is recorded (class path and traceback) and
-    re-raised, so the worker retries or fails the timer; any other ``BaseException`` is
-    recorded the same way and re-raised as :class:`TaskAborted`.
+    re-raised, so the worker retries or fails the timer (at once for
+    :class:`durable.GiveUp`: ``FAILED`` whatever attempts are left); any other
+    ``BaseException`` is recorded the same way and re-raised as :class:`TaskAborted`.
     """
     from durable.storage import timers as store
 
@@ -405,7 +406,7 @@ def run_task(module_path: str, *args: Any, **kwargs: Any) -> Any:
     # Django's own backends), not the worker's; signals reach only the main thread.
     except BaseException as exc:
         record["errors"] = [*record.get("errors", []), _error(exc)]
-        final = fire.attempt >= timer.max_attempts
+        final = fire.attempt >= timer.max_attempts or isinstance(exc, GiveUp)
         _finish(db, timer, task, record, _FAILED if final else _PENDING)
         if isinstance(exc, Exception):
             raise

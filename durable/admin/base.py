@@ -31,6 +31,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
+from django.utils.translation import ngettext
 
 from durable.admin.paginator import EstimatedCountPaginator
 from durable.conf import get_settings
@@ -141,9 +142,10 @@ def bounded_ids(
     """The selected primary keys, or None (with an error message) if there are too many."""
     ids = list(queryset.order_by().values_list("pk", flat=True)[: MAX_ACTION_ROWS + 1])
     if len(ids) > MAX_ACTION_ROWS:
+        rows = ngettext("row", "rows", MAX_ACTION_ROWS)
         modeladmin.message_user(
             request,
-            f"Select at most {MAX_ACTION_ROWS:,} rows for this action (narrow the list "
+            f"Select at most {MAX_ACTION_ROWS:,} {rows} for this action (narrow the list "
             "with a filter or a search first); nothing was changed.",
             messages.ERROR,
         )
@@ -179,8 +181,9 @@ def report(
     The rows ``done`` (primary keys) also get an entry in their admin history, so their
     pages tell who cancelled, moved or paused them, and when.
     """
-    name = modeladmin.model._meta.verbose_name_plural
+    opts = modeladmin.model._meta
     if done:
+        name = ngettext(str(opts.verbose_name), str(opts.verbose_name_plural), len(done))
         modeladmin.message_user(
             request, f"{verb.capitalize()} {len(done)} {name}.", messages.SUCCESS
         )
@@ -254,16 +257,37 @@ def attempt(call: Callable[[], T]) -> T | DurableError:
 
 
 def ms_display(ms: int | None) -> str:
-    """Epoch milliseconds as a local date-time with milliseconds ('-' for None)."""
+    """Epoch milliseconds as a local date-time with milliseconds ('-' for None).
+
+    A bigint column can hold instants a ``datetime`` cannot (past 9999-12-31 or before
+    year 1: old rows, raw SQL); those read "beyond 9999-12-31 (<ms> ms since epoch)"
+    instead of failing the whole page.
+    """
     if ms is None:
         return "-"
-    when = timezone.localtime(ms_to_datetime(ms))
+    when = local_instant(ms)
+    if when is None:
+        return out_of_range(ms)
     return when.strftime("%Y-%m-%d %H:%M:%S.") + f"{when.microsecond // 1000:03d}"
 
 
+def local_instant(ms: int) -> datetime | None:
+    """Epoch milliseconds as a datetime in the current time zone; None if out of range."""
+    try:
+        return timezone.localtime(ms_to_datetime(ms))
+    except (OverflowError, ValueError):  # timedelta or datetime past their range
+        return None
+
+
+def out_of_range(ms: int) -> str:
+    """The text shown for an instant ``datetime`` cannot hold."""
+    side = "beyond 9999-12-31" if ms > 0 else "before 0001-01-01"
+    return f"{side} ({ms} ms since epoch)"
+
+
 def relative(ms: int | None, now_ms: int) -> str:
-    """'in 5 min' / '3 s ago' for an instant in epoch milliseconds."""
-    if ms is None:
+    """'in 5 min' / '3 s ago' for an instant in epoch milliseconds ('' if out of range)."""
+    if ms is None or local_instant(ms) is None:
         return ""
     delta = (ms - now_ms) / 1000
     text = duration(abs(delta))
@@ -298,5 +322,15 @@ def short_json(value: Any, limit: int = 80) -> str:
 
 
 def local(dt: datetime | None) -> str:
-    """An aware datetime in the current time zone, to the second."""
-    return "-" if dt is None else timezone.localtime(dt).strftime("%Y-%m-%d %H:%M:%S")
+    """An aware datetime in the current time zone, to the second ('-' for None).
+
+    Near the ends of ``datetime``'s range the shift to local time can overflow; the
+    UTC value is shown then.
+    """
+    if dt is None:
+        return "-"
+    try:
+        dt = timezone.localtime(dt)
+    except (OverflowError, ValueError):
+        return dt.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return dt.strftime("%Y-%m-%d %H:%M:%S")

@@ -3,18 +3,22 @@
 Leases and nodes are written by workers only, so their admin is view-only. The overview
 (``admin:durable_overview``, linked from the app's index) gathers what an operator looks
 at first: who owns which shard and how far behind it is, which workers are alive, the
-fire rate and lateness of the last minute, and what failed. Its data comes from
-``durable_status``'s :func:`~durable.management.commands.durable_status.collect`, so
-the page and the command never disagree.
+fire rate and lateness of the last minute, and what failed. It reads the queries of
+``durable_status`` (:mod:`durable.storage.status`) for shards, workers and fires, but
+counts big tables with a cap (:mod:`durable.storage.admin_queries`): the page must stay
+fast with millions of pending or failed timers. Each section shows only to users who
+may view its model.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from collections.abc import Collection
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
+from django.db.models import Model
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -23,9 +27,8 @@ from durable.admin import base
 from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.core.timeutil import ms_to_datetime
-from durable.management.commands.durable_status import collect
-from durable.models import ShardLease, WorkerNode
-from durable.storage import admin_queries
+from durable.models import CronSchedule, ShardLease, Timer, WorkerNode, WorkflowRun
+from durable.storage import admin_queries, status
 
 #: A running workflow run whose row has not changed for this long is listed as stalled.
 STALLED_AFTER = timedelta(minutes=10)
@@ -74,46 +77,97 @@ class ShardLeaseAdmin(_ViewOnly):
         return [overview, *super().get_urls()]
 
     def overview_view(self, request: HttpRequest) -> HttpResponse:
-        """The cluster overview: shards, workers, fire rate, lateness, failures."""
+        """The cluster overview: shards, workers, fire rate, lateness, failures.
+
+        Open to users who may view shard leases; each other section only to users who
+        may view its model (a run's error is no business of a leases-only user).
+        """
         if not self.has_view_permission(request):
             raise PermissionDenied
+        show = {
+            section: self._may_view(request, model) for section, model in SECTION_MODELS.items()
+        }
         context = {
             **self.admin_site.each_context(request),
             "title": "Durable overview",
             "opts": self.model._meta,
-            **overview_data(current_clock().now_ms()),
+            "show": show,
+            **overview_data(current_clock().now_ms(), {name for name, ok in show.items() if ok}),
         }
         return TemplateResponse(request, "admin/durable/overview.html", context)
 
+    def _may_view(self, request: HttpRequest, model: type[Model]) -> bool:
+        # Ask the model's own admin, so the overview agrees with the model's pages
+        # (a site that unregisters a model hides its section too).
+        if not self.admin_site.is_registered(model):
+            return False
+        return bool(self.admin_site.get_model_admin(model).has_view_permission(request))
 
-def overview_data(now_ms: int) -> dict[str, Any]:
-    """What the overview page shows (plain data, ready for the template)."""
-    db = get_settings().DATABASE
-    data = collect(now_ms)
-    shards = data["shards"]
-    for shard in shards:
-        shard["lag"] = None if shard["lag_ms"] is None else base.duration(shard["lag_ms"] / 1000)
-    workers = data["workers"]
-    for worker in workers:
-        beat = datetime.fromisoformat(worker["heartbeat_at"])
-        worker["heartbeat"] = base.relative(int(beat.timestamp() * 1000), now_ms)
-    before = ms_to_datetime(now_ms) - STALLED_AFTER
-    return {
+
+#: The overview's sections beyond the shards, and the model whose view permission each
+#: needs.
+SECTION_MODELS: dict[str, type[Model]] = {
+    "timers": Timer,
+    "runs": WorkflowRun,
+    "schedules": CronSchedule,
+    "workers": WorkerNode,
+}
+
+
+def overview_data(
+    now_ms: int, sections: Collection[str] = frozenset(SECTION_MODELS)
+) -> dict[str, Any]:
+    """What the overview page shows (plain data, ready for the template).
+
+    Only the ``sections`` given are queried (the shards always are). Counts on big
+    tables are capped (:mod:`durable.storage.admin_queries`): a figure with ``+``
+    means "at least".
+    """
+    conf = get_settings()
+    db = conf.DATABASE
+    shards = [
+        {
+            "shard": s.shard,
+            "owner": s.owner or None,
+            "token": s.token,
+            "live": s.live,
+            "lag_ms": s.lag_ms,
+            "lag": None if s.lag_ms is None else base.duration(s.lag_ms / 1000),
+        }
+        for s in status.shards(db, now_ms)
+    ]
+    data: dict[str, Any] = {
         "now": ms_to_datetime(now_ms),
         "shards": shards,
         "owned": sum(1 for s in shards if s["live"]),
-        "pending": sum(s["pending"] for s in shards),
         "max_lag": max((s["lag_ms"] for s in shards if s["lag_ms"] is not None), default=None),
-        "workers": workers,
-        "live_workers": sum(1 for w in workers if w["live"]),
-        "recent": data["recent"],
-        "failed_timers": data["failed"],
-        "failed_runs": admin_queries.failed_runs(db),
-        "stalled_runs": admin_queries.stalled_runs(db, before),
-        "stalled_after": base.duration(STALLED_AFTER.total_seconds()),
-        "failing_schedules": admin_queries.failing_schedules(db),
-        "schedules": admin_queries.schedule_counts(db),
     }
+    if "timers" in sections:
+        pending = admin_queries.pending_by_shard(db, conf.SHARDS)
+        for shard in shards:
+            shard["pending"] = pending.counts.get(shard["shard"], 0)
+            shard["pending_capped"] = shard["shard"] in pending.capped
+        data["pending"] = sum(pending.counts.values())
+        data["pending_capped"] = bool(pending.capped)
+        data["pending_limit"] = pending.limit
+        data["recent"] = status.recent_fires(db, now_ms)
+        data["failed_timers"] = admin_queries.failed_timers(db)
+    if "workers" in sections:
+        workers = status.nodes(db, now_ms, conf.LEASE_TTL_S)
+        for worker in workers:
+            beat = worker["heartbeat_at"]
+            worker["heartbeat"] = base.relative(int(beat.timestamp() * 1000), now_ms)
+        data["workers"] = workers
+        data["live_workers"] = sum(1 for w in workers if w["live"])
+    if "runs" in sections:
+        before = ms_to_datetime(now_ms) - STALLED_AFTER
+        data["failed_runs"] = admin_queries.failed_runs(db)
+        data["stalled_runs"] = admin_queries.stalled_runs(db, before)
+        data["stalled_after"] = base.duration(STALLED_AFTER.total_seconds())
+    if "schedules" in sections:
+        data["failing_schedules"] = admin_queries.failing_schedules(db)
+        data["schedules"] = admin_queries.schedule_counts(db)
+    return data
 
 
 @admin.register(WorkerNode)

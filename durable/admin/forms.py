@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +61,25 @@ class SignalForm(forms.Form):
         if not text.strip():
             return None
         try:
-            return json.loads(text)
+            return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc}") from None
+        except _NotStrictJSON as exc:
+            raise forms.ValidationError(f"Not strict JSON: {exc}") from None
+
+
+class _NotStrictJSON(ValueError):
+    """A payload uses what Python's ``json`` accepts but JSON does not (NaN, Infinity)."""
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN, Infinity and -Infinity; JSON has no such values, and a
+    # payload holding them could not be stored in a JSON column or read by other tools.
+    raise _NotStrictJSON(f"{name} is not a JSON value (payloads are strict JSON)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf
+        raise _NotStrictJSON(f"{text} is too large for a JSON number (it would read as infinity)")
+    return value

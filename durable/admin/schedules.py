@@ -13,6 +13,7 @@ from typing import Any
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils.translation import ngettext
 
 import durable
 from durable.admin import base
@@ -29,8 +30,8 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
         "name",
         "calendar",
         "enabled",
-        "next_at",
-        "last_run_at",
+        "next_run",
+        "last_run",
         "last_status",
         "runs",
     )
@@ -40,14 +41,17 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
     actions = ("pause", "resume", "run_now")
     object_actions = {"pause": "Pause", "resume": "Resume", "run_now": "Run now"}
     fieldsets = (
-        (None, {"fields": ("name", "handler", "calendar", "enabled", "source", "atomic")}),
+        (
+            None,
+            {"fields": ("name", "handler", "kwargs", "calendar", "enabled", "source", "atomic")},
+        ),
         ("Policies", {"fields": ("catch_up", "overlap", "grace_ms")}),
-        ("Next", {"fields": ("next_at", "running")}),
+        ("Next", {"fields": ("next_run", "running")}),
         (
             "Last run",
             {
                 "fields": (
-                    "last_run_at",
+                    "last_run",
                     "last_status",
                     "last_duration_ms",
                     "last_error",
@@ -57,7 +61,7 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
                 )
             },
         ),
-        ("Declaration", {"fields": ("declaration", "created_at", "updated_at")}),
+        ("Declaration", {"fields": ("declaration", "created", "updated")}),
     )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
@@ -77,6 +81,26 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[CronSchedule]) -> None:
         for name in queryset.values_list("name", flat=True):
             durable.schedules.delete(name)
+
+    # Times to the second (Django's default format stops at minutes; schedules can run
+    # every second). The next run is read from next_ms, which may hold an instant
+    # past datetime's range (base.ms_display says so instead of failing).
+
+    @admin.display(description="next run", ordering="next_ms")
+    def next_run(self, obj: CronSchedule) -> str:
+        return base.ms_display(obj.next_ms)
+
+    @admin.display(description="last run", ordering="last_run_at")
+    def last_run(self, obj: CronSchedule) -> str:
+        return base.local(obj.last_run_at)
+
+    @admin.display(description="created at")
+    def created(self, obj: CronSchedule) -> str:
+        return base.local(obj.created_at)
+
+    @admin.display(description="updated at")
+    def updated(self, obj: CronSchedule) -> str:
+        return base.local(obj.updated_at)
 
     @admin.display(description="runs")
     def runs(self, obj: CronSchedule) -> str:
@@ -121,4 +145,5 @@ class CronScheduleAdmin(base.ObjectActions, admin.ModelAdmin):
         base.report(self, request, queued, missing, "queued a run of", "deleted meanwhile")
         if queued:
             listed = ", ".join(f"{names[pk]} → timer {timers[pk].pk}" for pk in queued)
-            self.message_user(request, f"A worker runs them shortly ({listed}).")
+            them = ngettext("it", "them", len(queued))
+            self.message_user(request, f"A worker runs {them} shortly ({listed}).")

@@ -24,17 +24,34 @@ from django.db.models import Max, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html
+from django.utils.translation import ngettext
 
 import durable
 from durable.admin import base
 from durable.admin.forms import RescheduleForm
 from durable.core.clock import current_clock
 from durable.exceptions import DurableError
-from durable.models import Timer, TimerState
+from durable.models import Timer, TimerKind, TimerState
 from durable.scheduling import operations
 
 #: How many of the newest timers a ``target:`` search looks at (see the module doc).
 TARGET_SEARCH_ROWS = 100_000
+
+#: Kinds whose timers are never retried, so an attempt count means nothing for them: a
+#: cron occurrence whose handler raises records the error on its schedule and is done
+#: (durable.scheduling.occurrences); the schedule's next occurrence is a new timer.
+NO_RETRY_KINDS = frozenset({TimerKind.CRON})
+
+_MAX_ID = 2**63 - 1  # the largest value of a bigint primary key
+
+
+def is_number(term: str) -> bool:
+    """Whether a search term is a timer id: ASCII digits within the bigint range.
+
+    ``str.isdigit()`` also accepts "²" or "٣", which ``int()`` then refuses or reads as
+    another number; those terms are searched as keys instead.
+    """
+    return term.isascii() and term.isdecimal() and int(term) <= _MAX_ID
 
 
 class DueFilter(admin.SimpleListFilter):
@@ -92,7 +109,7 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
         ("Payload", {"fields": ("args_json", "kwargs_json", "context_json", "result_json")}),
         (
             "Attempts",
-            {"fields": ("attempts", "max_attempts", "backoff", "last_error", "fired_token")},
+            {"fields": ("attempts", "max_attempts_of", "backoff", "last_error", "fired_token")},
         ),
         ("Related", {"fields": ("parent_link", "children_link", "on_complete")}),
     )
@@ -122,7 +139,7 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
             newest = Timer.objects.using(queryset.db).aggregate(top=Max("pk"))["top"] or 0
             window = Q(pk__gt=newest - TARGET_SEARCH_ROWS)
             return queryset.filter(window, target=term.removeprefix("target:").strip()), False
-        if term.isdigit():
+        if is_number(term):
             return queryset.filter(Q(pk=int(term)) | Q(key=term)), False
         return queryset.filter(key__startswith=term), False
 
@@ -138,12 +155,22 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
 
     @admin.display(description="attempts")
     def attempts_of(self, obj: Timer) -> str:
+        if obj.kind in NO_RETRY_KINDS:
+            return "—"  # fired once, never retried: "0/100" would promise retries
         return f"{obj.attempts}/{obj.max_attempts}"
+
+    @admin.display(description="max attempts")
+    def max_attempts_of(self, obj: Timer) -> str:
+        if obj.kind in NO_RETRY_KINDS:
+            return "— (fires once; a failed run is recorded on its schedule, not retried)"
+        return str(obj.max_attempts)
 
     @admin.display(description="fire at")
     def fire_at_full(self, obj: Timer) -> str:
         now_ms = current_clock().now_ms()
         rel = base.relative(obj.fire_at_ms, now_ms)
+        if not rel:  # out of datetime's range: ms_display already gives the raw value
+            return base.ms_display(obj.fire_at_ms)
         return f"{base.ms_display(obj.fire_at_ms)} ({rel}; {obj.fire_at_ms} ms since epoch)"
 
     @admin.display(description="claim expires")
@@ -152,6 +179,8 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
 
     @admin.display(description="backoff")
     def backoff(self, obj: Timer) -> str:
+        if obj.kind in NO_RETRY_KINDS:
+            return "—"
         return f"{obj.backoff_base_s:g} s doubling, at most {obj.backoff_max_s:g} s"
 
     @admin.display(description="args")
@@ -189,7 +218,7 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
         if not count:
             return "none"
         url = reverse("admin:durable_timer_changelist") + f"?parent__id__exact={obj.pk}"
-        return format_html('<a href="{}">{} timer{}</a>', url, count, "s"[: count != 1])
+        return format_html('<a href="{}">{} {}</a>', url, count, ngettext("timer", "timers", count))
 
     # -- actions ------------------------------------------------------------------------
 
@@ -243,6 +272,7 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
                 moved.append(f"{pk} → {new.pk}")
         base.report(self, request, done, skipped, verb, why)
         if moved:
-            self.message_user(request, "New timer ids: " + ", ".join(moved[:20]) + ".")
+            ids_label = ngettext("New timer id", "New timer ids", len(moved))
+            self.message_user(request, f"{ids_label}: " + ", ".join(moved[:20]) + ".")
         for line in refused[:5]:
             self.message_user(request, line, messages.ERROR)

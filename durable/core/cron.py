@@ -5,15 +5,22 @@ instant. :class:`IntervalRecurrence` is arithmetic: a fixed UTC duration from an
 so its cadence never changes across daylight-saving transitions. :class:`CronRecurrence`
 evaluates a cron expression on the *wall clock* of an IANA time zone with croniter
 (over naive local times, so croniter never sees an offset) and maps each wall time to
-instants with zoneinfo, with the DST rules of Vixie cron / cronie made explicit:
+instants with zoneinfo. Two rules follow Vixie cron and cronie, so that a line copied
+from a server's crontab fires on the same days and at the same instants:
 
-- A wall time skipped by a spring-forward transition (02:30 on the day clocks jump from
-  02:00 to 03:00) fires once, at the first valid instant after the gap (03:00 local).
-- A wall time that occurs twice at a fall-back transition fires once, at its first
-  occurrence (the summer-time one).
-- Except for schedules whose hour field is ``*`` (hourly or more often): those follow
-  elapsed time, so a skipped hour is skipped and a repeated hour runs twice; an hourly
-  job runs 23 times on the short day and 25 times on the long one.
+- Day of month and day of week: when either field starts with ``*`` (``*``, ``*/2``)
+  a day must match both; when both are restricted (``1,15`` and ``mon``) a day that
+  matches either one fires. ``0 12 */2 * 1`` is odd-numbered days that are Mondays;
+  ``0 12 1 * 1`` is the 1st of the month and every Monday.
+- Daylight saving, for *fixed-time* expressions (neither the minute nor the hour field
+  starts with ``*``): a wall time skipped by a spring-forward transition (02:30 on the
+  day clocks jump from 02:00 to 03:00) fires once, at the first valid instant after the
+  gap (03:00 local); a wall time that occurs twice at a fall-back transition fires
+  once, at its first occurrence (the summer-time one).
+- *Wildcard* expressions (the minute or the hour field starts with ``*``: ``*/15 * * *
+  *``, ``0 */2 * * *``, ``@hourly``) follow the clock as it runs: a skipped wall time
+  does not fire and a repeated one fires at both instants; an hourly job runs 23 times
+  on the short day and 25 times on the long one.
 
 The catch-up and overlap policies that use these calendars are in
 :mod:`durable.core.catchup`.
@@ -158,10 +165,11 @@ class CronRecurrence(Recurrence):
         self.expression = check_expression(expression)
         self.tz = tz
         self.tzinfo = zone(tz)
-        fields = croniter(self.expression).expanded
-        # An hour field of "*" means "every hour": such schedules follow elapsed time
-        # through DST transitions (cronie's rule for jobs run hourly or more often).
-        self.frequent = fields[1] == ["*"]
+        self.day_or = day_or(self.expression)
+        # Vixie cron's "wildcard" jobs (minute or hour field starting with "*") follow
+        # the clock through DST transitions; fixed-time jobs fire once per wall time.
+        minute, hour = self.expression.split()[:2]
+        self.frequent = minute.startswith("*") or hour.startswith("*")
 
     def __repr__(self) -> str:
         return f"CronRecurrence({self.expression!r}, tz={self.tz!r})"
@@ -218,7 +226,7 @@ class CronRecurrence(Recurrence):
         # lies ahead: start earlier by the size of that shift.
         shift = self._offset(ms) - self._offset(ms + _MAX_SHIFT // _MS)
         start = ms_to_wall(ms, self.tzinfo) - max(shift, timedelta(0)) - timedelta(seconds=1)
-        it = croniter(self.expression, start)
+        it = croniter(self.expression, start, day_or=self.day_or)
         ready: list[int] = []
         last = ms
         while True:
@@ -243,7 +251,7 @@ class CronRecurrence(Recurrence):
         """Yield the occurrences at or before ``ms``, decreasing, each instant once."""
         shift = self._offset(ms - _MAX_SHIFT // _MS) - self._offset(ms)
         start = ms_to_wall(ms, self.tzinfo) + max(shift, timedelta(0)) + timedelta(seconds=1)
-        it = croniter(self.expression, start)
+        it = croniter(self.expression, start, day_or=self.day_or)
         ready: list[int] = []  # a max-heap, as negated values
         last = ms + 1
         while True:
@@ -273,12 +281,24 @@ def _step(it: croniter, *, forward: bool) -> datetime | None:
     return wall.replace(fold=0)
 
 
+def day_or(expression: str) -> bool:
+    """Whether a day matching day-of-month *or* day-of-week fires (Vixie cron's rule).
+
+    True only when both fields are restricted and neither starts with ``*`` (or ``?``);
+    otherwise a day must match both, as in Vixie cron and cronie (croniter's default
+    would OR ``*/2`` with ``mon``).
+    """
+    fields = expression.split()
+    return not any(fields[i].startswith(("*", "?")) for i in (2, 4))
+
+
 def check_expression(expression: str) -> str:
     """Return ``expression`` normalized (macros expanded); ``ValueError`` if it is invalid.
 
     Five fields (minute hour day-of-month month day-of-week), or six with seconds last
     (croniter's convention); ``@hourly``, ``@daily``, ``@weekly``, ``@monthly`` and
-    ``@yearly`` are accepted. An expression that never fires (``0 0 30 2 *``) is refused.
+    ``@yearly`` are accepted. An expression that never fires (``0 0 30 2 *``) is refused,
+    judged with the day rule of :func:`day_or`.
     """
     if not isinstance(expression, str) or not expression.strip():
         raise ValueError(f"cron expression must be a non-empty string, got {expression!r}")
@@ -292,7 +312,7 @@ def check_expression(expression: str) -> str:
             "(minute hour day month weekday), or 6 with seconds last"
         )
     try:
-        croniter(text, datetime(2000, 1, 1)).get_next(datetime)
+        croniter(text, datetime(2000, 1, 1), day_or=day_or(text)).get_next(datetime)
     except Exception as exc:  # croniter raises several unrelated types
         reason = str(exc).replace(f"[{text}] ", "") or type(exc).__name__
         if "failed to find next date" in reason:

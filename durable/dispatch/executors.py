@@ -22,7 +22,8 @@ attempt and is dropped as stale; nothing completes twice.
   on the database still happens exactly once.
 - ``atomic=False`` handlers run outside any transaction (at least once), then the
   completion transaction checks the claim.
-- A handler that raises is retried at now + backoff, or dead-lettered, as in the worker;
+- A handler that raises is retried at now + backoff, or dead-lettered (at once for
+  ``durable.GiveUp`` and the handler's ``give_up_on``/``retry_on``), as in the worker;
   the retry reaches the owning worker by NOTIFY (PostgreSQL) or its rescan.
 - A shipment that cannot be published (broker down) counts as a failed attempt of the
   timer: retried with backoff, never lost.
@@ -52,10 +53,11 @@ from kombu import Connection, Message
 from durable.core.backoff import Backoff
 from durable.core.clock import Clock
 from durable.core.errors import sanitize_error
+from durable.dispatch import giveup
 from durable.dispatch.broker import Outgoing, direct_queue, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec, check_stored_call
-from durable.exceptions import AttemptsExhausted, HandlerAborted
+from durable.exceptions import AttemptsExhausted
 from durable.models import Timer
 from durable.storage import claims
 from durable.storage import firing as store
@@ -159,7 +161,7 @@ def _execute_atomic(db: str, clock: Clock, shipment: Shipment, spec: HandlerSpec
             with transaction.atomic(using=db), firing(_context(timer, shipment, clock)):
                 value = spec.fn(*timer.args, **timer.kwargs)
         except BaseException as exc:  # its savepoint rolled its own effects back
-            error = HandlerAborted.contain(exc)
+            error = spec.failure(exc)  # contained; final if GiveUp or give_up_on/retry_on
         return _settle(db, clock, shipment, timer, value, error)
 
 
@@ -172,7 +174,7 @@ def _execute_external(
         with firing(_context(timer, shipment, clock)):
             value = spec.fn(*timer.args, **timer.kwargs)
     except BaseException as exc:  # SystemExit and the like fail the attempt, not the process
-        error = HandlerAborted.contain(exc)
+        error = spec.failure(exc)
     with transaction.atomic(using=db):
         locked = _claimed(db, shipment, lock=True)
         if locked is None:
@@ -203,9 +205,9 @@ def _settle(
         store.mark_fired(db, [timer.pk], {timer.shard: shipment.token}, now_ms, results)
         create_followup(timer, {"status": "success", "value": result}, now_ms, using=db)
         return DONE
-    text = sanitize_error(error)
+    text = giveup.error_text(error)
     _log(logging.WARNING, "timer.error", timer=timer.pk, target=timer.target, error=text)
-    if shipment.attempt < timer.max_attempts and not getattr(error, "final", False):
+    if shipment.attempt < timer.max_attempts and not giveup.is_final(error):
         backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
         fire_at = now_ms + backoff.delay_ms(shipment.attempt)
         # mark_retry/mark_failed read only the id of the DueTimer they are typed for.

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from durable.core.backoff import Backoff
-from durable.exceptions import PayloadError, UnknownHandler
+from durable.dispatch.giveup import final
+from durable.exceptions import GiveUp, HandlerAborted, UnknownHandler
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +38,16 @@ class HandlerSpec:
     """Seconds an attempt may run before it is abandoned as failed; ``None`` uses
     ``DURABLE["ATOMIC_TIMEOUT_S"]`` (atomic) or ``DURABLE["HANDLER_TIMEOUT_S"]``;
     ``math.inf`` sets no deadline."""
+    retry_on: tuple[type[Exception], ...] = ()
+    """Only these exceptions are retried; any other is final (empty: all are retried)."""
+    give_up_on: tuple[type[Exception], ...] = ()
+    """These exceptions are final (dead letter at once); see :mod:`durable.dispatch.giveup`."""
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """What an attempt that raised ``exc`` is recorded as: contained (a
+        ``BaseException`` becomes ``HandlerAborted``), and marked final when ``GiveUp`` or
+        the ``retry_on``/``give_up_on`` policy says so."""
+        return final(HandlerAborted.contain(exc), self.retry_on, self.give_up_on)
 
 
 def handler_name(fn: Callable[..., Any]) -> str:
@@ -96,8 +107,8 @@ class HandlerRegistry:
 
 
 def check_stored_call(args: Any, kwargs: Any) -> None:
-    """Raise :class:`PayloadError` (with ``final=True``) unless a row's ``args`` is a list
-    and its ``kwargs`` a dict, as ``schedule()`` writes them.
+    """Raise :class:`~durable.exceptions.GiveUp` unless a row's ``args`` is a list and its
+    ``kwargs`` a dict, as ``schedule()`` writes them.
 
     A row written another way (raw SQL, an old version) could otherwise call the handler
     with the characters of a string as its arguments. The worker calls this before the
@@ -109,12 +120,10 @@ def check_stored_call(args: Any, kwargs: Any) -> None:
         ("kwargs", kwargs, dict, "an object"),
     ):
         if not isinstance(value, kind):
-            raise PayloadError(
+            raise GiveUp(
                 f"the timer's stored {name} is a JSON {type(value).__name__} ({value!r:.50}), "
                 f"not {words}: the row was not written by durable.schedule(); the handler "
-                "was not called",
-                path=name,
-                final=True,
+                "was not called"
             )
 
 

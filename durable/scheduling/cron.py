@@ -7,7 +7,8 @@ their first occurrence timer, through :func:`sync_declared`, which the worker ru
 start and ``manage.py durable_sync_schedules`` runs on demand.
 
 This module imports no models: like ``@durable.handler``, the decorators run while
-Django loads apps. Handlers receive one :class:`Occurrence`.
+Django loads apps. Functions receive one :class:`Occurrence`, and the schedule's
+``kwargs`` as keyword arguments.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from durable.core import cron as calendar
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerRegistry, HandlerSpec, handlers
-from durable.exceptions import UnknownHandler
-from durable.scheduling.specs import ScheduleSpec, build_spec, settings_specs
+from durable.exceptions import ScheduleError, UnknownHandler
+from durable.scheduling.specs import Problems, ScheduleSpec, build_spec, settings_specs
 
 if TYPE_CHECKING:
     from durable.scheduling.schedules import SyncReport
@@ -45,7 +46,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Occurrence:
-    """One occurrence of a schedule, as handed to its handler: ``handler(occurrence)``."""
+    """One occurrence of a schedule, as handed to its function: ``fn(occurrence, **kwargs)``."""
 
     schedule: str
     """The schedule's name."""
@@ -89,14 +90,12 @@ class DeclaredSchedules:
 
     def register(self, spec: ScheduleSpec) -> ScheduleSpec:
         """Add ``spec``; the same name for another function is a ``ScheduleError``."""
-        from durable.exceptions import ScheduleError
-
         with self._lock:
             old = self._specs.get(spec.name)
             if old is not None and old.handler != spec.handler:
                 raise ScheduleError(
-                    f"name: schedule {spec.name!r} is already declared for {old.handler}; "
-                    "pass a distinct name=",
+                    f"{spec.handler}: name: schedule {spec.name!r} is already declared for "
+                    f"{old.handler}; pass a distinct name=",
                     schedule=spec.name,
                     check_id="durable.E014",
                 )
@@ -198,17 +197,30 @@ def sync_declared(
     return sync(db, now_ms, all_declarations() if specs is None else list(specs))
 
 
-def _declare(fn: Any, options: dict[str, Any]) -> Any:
-    name = options.pop("name", None)
-    spec = build_spec(
-        name=name if name is not None else _default_name(fn),
-        handler=fn,
-        source="code",
-        **options,
-    )
-    declared.register(spec)
-    functions.register(HandlerSpec(name=spec.handler, fn=fn))
-    return fn
+def _declaration(
+    decorator: str, options: dict[str, Any], early: tuple[ScheduleError, ...] = ()
+) -> Callable[[F], F]:
+    """The decorator ``@durable.cron(...)``/``@durable.every(...)`` returns.
+
+    Validation waits for the function, a line later at import, so that every message
+    names it (``@durable.cron on myapp.crons.digest: tz: ...``) and lists every problem
+    of the declaration at once; ``early`` holds those found in a helper's arguments.
+    """
+
+    def declare(fn: F) -> F:
+        name = options.get("name")
+        name = name if name is not None else _default_name(fn)
+        found = Problems(f"{decorator} on {_default_name(fn)}", str(name))
+        for problem in early:
+            found.add(str(problem), problem.check_id, problem.field)
+        spec = build_spec(
+            name=name, handler=fn, source="code", problems=found, **_without(options, "name")
+        )
+        declared.register(spec)
+        functions.register(HandlerSpec(name=spec.handler, fn=fn))
+        return fn
+
+    return declare
 
 
 def _default_name(fn: Any) -> str:
@@ -217,9 +229,19 @@ def _default_name(fn: Any) -> str:
     return f"{module}.{qualname}"
 
 
+def _helper_expression(make: Callable[[], str]) -> tuple[str, tuple[ScheduleError, ...]]:
+    # A helper's own arguments (at=, on=, day=, minute=) are checked with the rest.
+    try:
+        return make(), ()
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        field = field if field.isidentifier() else "cron"
+        return "* * * * *", (ScheduleError(str(exc), field=field, check_id="durable.E010"),)
+
+
 class CronDecorator:
     """``@durable.cron(expression, ...)`` and its helpers ``hourly``, ``daily``, ``weekly``,
-    ``monthly``: declare a module-level function ``fn(occurrence)`` as a schedule.
+    ``monthly``: declare a module-level function ``fn(occurrence, **kwargs)`` as a schedule.
     """
 
     def __call__(
@@ -230,8 +252,9 @@ class CronDecorator:
         catch_up: str = "fire_once",
         overlap: str = "skip",
         name: str | None = None,
-        grace: timedelta = _ONE_MINUTE,
+        grace: timedelta | float = _ONE_MINUTE,
         atomic: bool = True,
+        kwargs: dict[str, Any] | None = None,
     ) -> Callable[[F], F]:
         """Run the decorated function at each time ``expression`` matches in zone ``tz``.
 
@@ -240,7 +263,9 @@ class CronDecorator:
         to occurrences due while the previous run is still running; ``grace`` is how
         late an occurrence may fire before it counts as missed. ``name`` defaults to the
         function's dotted name. ``atomic=False`` runs it outside the firing transaction
-        (at least once). Bad arguments raise ``ScheduleError`` here, at import.
+        (at least once). ``kwargs`` (a JSON object) are passed to the function at each
+        occurrence: ``fn(occurrence, **kwargs)``. Bad arguments raise one
+        ``ScheduleError`` naming the function and every problem, at import.
         """
         options = {
             "cron": expression,
@@ -250,27 +275,31 @@ class CronDecorator:
             "name": name,
             "grace": grace,
             "atomic": atomic,
+            "kwargs": kwargs,
         }
-        build_spec(name=name or "-", handler=None, source="code", **_without(options, "name"))
-        return lambda fn: _declare(fn, dict(options))
+        return _declaration("@durable.cron", options)
 
     def hourly(self, *, minute: int = 0, **options: Any) -> Callable[[F], F]:
         """Every hour at ``minute`` (UTC unless ``tz=``); other options as :meth:`__call__`."""
-        return self(calendar.hourly_expression(minute), **options)
+        return self._helper(lambda: calendar.hourly_expression(minute), options)
 
     def daily(self, at: str | time = "00:00", **options: Any) -> Callable[[F], F]:
         """Every day at ``at`` (``"HH:MM"`` or a ``time``), on the wall clock of ``tz``."""
-        return self(calendar.daily_expression(at), **options)
+        return self._helper(lambda: calendar.daily_expression(at), options)
 
     def weekly(self, on: str = "mon", at: str | time = "00:00", **options: Any) -> Callable[[F], F]:
         """Every ``on`` (``"mon"``, ``"mon-fri"``, ``"sat,sun"``) at ``at`` in ``tz``."""
-        return self(calendar.weekly_expression(on, at), **options)
+        return self._helper(lambda: calendar.weekly_expression(on, at), options)
 
     def monthly(
         self, day: int | str = 1, at: str | time = "00:00", **options: Any
     ) -> Callable[[F], F]:
         """Day ``day`` (1-31 or ``"last"``) of every month at ``at``; short months skip it."""
-        return self(calendar.monthly_expression(day, at), **options)
+        return self._helper(lambda: calendar.monthly_expression(day, at), options)
+
+    def _helper(self, make: Callable[[], str], options: dict[str, Any]) -> Callable[[F], F]:
+        expression, early = _helper_expression(make)
+        return _declaration("@durable.cron", {"cron": expression, **options}, early)
 
 
 #: ``@durable.cron(...)``; see :class:`CronDecorator`.
@@ -278,21 +307,24 @@ cron = CronDecorator()
 
 
 def every(
-    period: timedelta,
+    period: timedelta | float,
     *,
     anchor: datetime | None = None,
     catch_up: str = "fire_once",
     overlap: str = "skip",
     name: str | None = None,
-    grace: timedelta = _ONE_MINUTE,
+    grace: timedelta | float = _ONE_MINUTE,
     atomic: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
-    """Run the decorated function every ``period`` (at least one second), in UTC.
+    """Run the decorated function every ``period``, in UTC.
 
-    A fixed duration: the cadence does not move at daylight-saving changes. Occurrences
-    are ``anchor + k * period`` (``anchor`` defaults to the Unix epoch, so
-    ``every(timedelta(hours=1))`` fires on the hour, the same on every worker). Other
-    options as :func:`durable.cron`.
+    ``period`` is a ``timedelta`` or a number of seconds (``every(90)``), from one
+    second to :data:`~durable.scheduling.specs.MAX_INTERVAL` (366 days), in whole
+    milliseconds. A fixed duration: the cadence does not move at daylight-saving
+    changes. Occurrences are ``anchor + k * period`` (``anchor`` defaults to the Unix
+    epoch, so ``every(timedelta(hours=1))`` fires on the hour, the same on every
+    worker). Other options, ``kwargs`` included, as :func:`durable.cron`.
     """
     options = {
         "every": period,
@@ -302,9 +334,9 @@ def every(
         "name": name,
         "grace": grace,
         "atomic": atomic,
+        "kwargs": kwargs,
     }
-    build_spec(name=name or "-", handler=None, source="code", **_without(options, "name"))
-    return lambda fn: _declare(fn, dict(options))
+    return _declaration("@durable.every", options)
 
 
 def _without(options: dict[str, Any], key: str) -> dict[str, Any]:

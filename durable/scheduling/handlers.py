@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from durable.conf import get_settings
+from durable.dispatch.giveup import check_exceptions
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
 
@@ -25,6 +26,8 @@ def handler(
     max_attempts: int | None = None,
     backoff: Any = None,
     timeout: float | timedelta | None = None,
+    retry_on: Any = None,
+    give_up_on: Any = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -36,6 +39,8 @@ def handler(
     max_attempts: int | None = None,
     backoff: Any = None,
     timeout: float | timedelta | None = None,
+    retry_on: Any = None,
+    give_up_on: Any = None,
 ) -> Any:
     """Register a module-level function as a timer handler; return it unchanged.
 
@@ -53,6 +58,12 @@ def handler(
       fails (an atomic handler is interrupted, an external one abandoned on its thread).
       Default ``DURABLE["ATOMIC_TIMEOUT_S"]`` (5 s) for atomic handlers and
       ``DURABLE["HANDLER_TIMEOUT_S"]`` (240 s) for the others.
+    - ``retry_on``/``give_up_on``: an ``Exception`` subclass or a tuple of them. An
+      exception matching ``give_up_on``, or (when ``retry_on`` is given) matching none
+      of ``retry_on``, dead-letters the timer at once, its other attempts unused;
+      ``give_up_on`` wins when both match. Raising :class:`durable.GiveUp` always does.
+      Timeouts and ``BaseException`` subclasses are retried unless ``give_up_on`` names
+      ``HandlerTimeout``/``HandlerAborted``.
 
     Bad options raise ``TypeError``/``ValueError`` naming the argument, at decoration time.
     """
@@ -60,6 +71,8 @@ def handler(
         raise TypeError(f"atomic: expected True or False, got {type(atomic).__name__}")
     check_max_attempts(max_attempts)
     timeout_s = check_timeout(timeout)
+    retry = check_exceptions(retry_on, "retry_on")
+    give_up = check_exceptions(give_up_on, "give_up_on")
     # Settings are read only for a timedelta: decorators run at import, and a handler
     # module should not need configured settings unless it asks for them.
     policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
@@ -73,6 +86,8 @@ def handler(
             max_attempts=max_attempts,
             backoff=policy,
             timeout=timeout_s,
+            retry_on=retry,
+            give_up_on=give_up,
         )
         handlers.register(spec)
         return func

@@ -2,7 +2,8 @@
 
 The firer resolves a ``cron`` timer's target (the schedule's name) through
 :func:`resolve` and calls the returned function with the timer's kwargs
-(``scheduled_ms``, and for a decided ``fire_all`` backlog ``catch_up``/``until_ms``).
+(``scheduled_ms``, and for a decided ``fire_all`` backlog ``catch_up``/``until_ms``);
+that function calls the schedule's own ``fn(occurrence, **schedule.kwargs)``.
 
 - **Atomic** schedules (the default) fire inside the worker's fenced batch transaction:
   lock the ``CronSchedule`` row, decide (:func:`durable.core.catchup.decide`), run the
@@ -179,7 +180,9 @@ def fire_atomic(
         # the worker's database-corrected clock, which a handler cannot read.
         occurrence = _occurrence(row.name, row.timezone, run, now + elapsed)
         started = current_clock().now_ms()
-        status, error = _call(db, row.handler, occurrence, atomic=True, together=batch is not None)
+        status, error = _call(
+            db, row.handler, occurrence, row.kwargs, atomic=True, together=batch is not None
+        )
         duration = max(0, current_clock().now_ms() - started)
         _record(row, run.occurrence_ms, now + elapsed, status, error, duration)
         elapsed += duration
@@ -230,7 +233,8 @@ def fire_external(
         run = Run(occurrence_ms, run_catch_up, missed)
         occurrence = _occurrence(name, plan["tz"], run, now + elapsed)
         started = current_clock().now_ms()
-        status, error = _call(db, plan["handler"], occurrence, atomic=False)
+        # Plans recorded before schedules had kwargs have none.
+        status, error = _call(db, plan["handler"], occurrence, plan.get("kwargs", {}), atomic=False)
         duration = max(0, current_clock().now_ms() - started)
         results.append((occurrence_ms, now + elapsed, status, error, duration))
         elapsed += duration
@@ -272,6 +276,7 @@ def _start_external(
         "next_ms": decision.next_ms,
         "next": _next_backlog(decision),
         "handler": row.handler,
+        "kwargs": row.kwargs,
         "tz": row.timezone,
     }
     row.running_until_ms = now + claim_ms
@@ -306,9 +311,15 @@ def _finish_external(
 
 
 def _call(
-    db: str, path: str, occurrence: Occurrence, *, atomic: bool, together: bool = False
+    db: str,
+    path: str,
+    occurrence: Occurrence,
+    kwargs: dict[str, Any],
+    *,
+    atomic: bool,
+    together: bool = False,
 ) -> tuple[str, str]:
-    """Run the schedule's function; return ``(status, sanitized error)``.
+    """Run ``fn(occurrence, **kwargs)``; return ``(status, sanitized error)``.
 
     Never raises, except with ``together`` (an atomic occurrence fired with its batch):
     then the function runs without a savepoint of its own, two round trips saved per
@@ -320,14 +331,14 @@ def _call(
         fn = schedule_function(path)  # a lookup: the path is row data, never imported
         if atomic and together:
             try:
-                fn(occurrence)
+                fn(occurrence, **kwargs)
             except Exception as exc:
                 raise RedoCarefully(f"schedule {occurrence.schedule!r} failed") from exc
         elif atomic:
             with transaction.atomic(using=db):  # its own savepoint: a failure undoes only it
-                fn(occurrence)
+                fn(occurrence, **kwargs)
         else:
-            fn(occurrence)
+            fn(occurrence, **kwargs)
     except RedoCarefully:
         raise
     except Exception as exc:

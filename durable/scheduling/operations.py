@@ -12,7 +12,8 @@ row with the same handler, arguments, key, parent, children and ``on_complete``,
 cancel the old one (without a follow-up) with ``result = {"replaced_by": <new id>}``.
 Code that must find a timer again after an operator moved it should use its key.
 
-Only timers of kind ``handler`` and ``celery`` can be moved: a cron occurrence belongs
+Only timers of kind ``handler``, ``celery`` and ``signal`` (a scheduled signal) can be
+moved: a cron occurrence belongs
 to its schedule's chain (use :func:`run_schedule_now`), a workflow wake-up to its run
 (use ``durable.workflows.operations.retry``).
 """
@@ -43,7 +44,7 @@ __all__ = ["fire_now", "reschedule", "retry", "run_schedule_now"]
 log = logging.getLogger("durable.operations")
 
 #: Kinds whose timers an operator may move; see the module docstring.
-MOVABLE_KINDS = frozenset({TimerKind.HANDLER.value, TimerKind.CELERY.value})
+MOVABLE_KINDS = frozenset({TimerKind.HANDLER.value, TimerKind.CELERY.value, TimerKind.SIGNAL.value})
 #: Fields copied from a timer to its replacement.
 _COPIED = (
     "shard",
@@ -214,9 +215,9 @@ def _call(db: str, row: CronSchedule, now_ms: int, *, atomic: bool) -> tuple[str
         fn = schedule_function(row.handler)  # a lookup: row data is never imported
         if atomic:
             with transaction.atomic(using=db):  # a failure undoes only the handler's writes
-                fn(occurrence)
+                fn(occurrence, **row.kwargs)
         else:
-            fn(occurrence)
+            fn(occurrence, **row.kwargs)
     except Exception as exc:
         error = sanitize_error(exc)
         log.warning("cron.run_now_failed schedule=%s error=%s", row.name, error)

@@ -10,7 +10,7 @@ follow the schedule's ``catch_up`` policy. A rolled-back change leaves nothing b
 :func:`sync` is what ``durable.scheduling.cron.sync_declared`` runs at worker start.
 
 >>> durable.schedules.create("digest", "myapp.jobs.digest", cron="0 8 * * *", tz="Europe/Paris")
->>> durable.schedules.update("digest", cron="30 7 * * mon-fri")
+>>> durable.schedules.update("digest", cron="30 7 * * mon-fri", kwargs={"lang": "fr"})
 >>> durable.schedules.pause("digest"); durable.schedules.resume("digest")
 """
 
@@ -28,13 +28,13 @@ from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.exceptions import ScheduleError
 from durable.models import CronSchedule, TimerState
+from durable.scheduling.callables import check_stored_binding, handler_path
 from durable.scheduling.occurrences import forget_mode
 from durable.scheduling.specs import (
     SPEC_FIELDS,
     ScheduleSpec,
     apply_spec,
     build_spec,
-    handler_path,
     row_spec,
 )
 from durable.storage import schedules as store
@@ -58,13 +58,14 @@ def create(
     grace: timedelta = timedelta(minutes=1),
     atomic: bool = True,
     enabled: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> CronSchedule:
-    """Create schedule ``name`` running ``handler(occurrence)``; return its row.
+    """Create schedule ``name`` running ``handler(occurrence, **kwargs)``; return its row.
 
     ``handler`` is a module-level function or its dotted path; pass ``cron=`` (with
-    ``tz=``) or ``every=`` (with ``anchor=``); the policies are those of
-    ``@durable.cron``. A name that exists raises :class:`ScheduleError`. Its first
-    occurrence is the first one after now.
+    ``tz=``) or ``every=`` (a ``timedelta`` or seconds, with ``anchor=``); the policies
+    and ``kwargs`` are those of ``@durable.cron``. A name that exists raises
+    :class:`ScheduleError`. Its first occurrence is the first one after now.
     """
     spec = build_spec(
         name=name,
@@ -77,6 +78,7 @@ def create(
         overlap=overlap,
         grace=grace,
         atomic=atomic,
+        kwargs=kwargs,
     )
     db, now = _context()
     with transaction.atomic(using=db, savepoint=False):
@@ -101,12 +103,15 @@ def update(
     overlap: str = _UNSET,
     grace: timedelta = _UNSET,
     atomic: bool = _UNSET,
+    kwargs: dict[str, Any] | None = _UNSET,
 ) -> CronSchedule:
     """Change schedule ``name``: only the arguments given change; return its row.
 
     Passing ``cron=`` turns an interval schedule into a cron one and ``every=`` the
     reverse. A new calendar takes effect at once: the pending occurrence is replaced by
-    the first occurrence of the new calendar after now.
+    the first occurrence of the new calendar after now. ``kwargs=`` replaces the keyword
+    arguments of the next runs (checked against the function if this process has it
+    registered; ``{}`` or ``None`` removes them).
     """
     db, now = _context()
     with transaction.atomic(using=db, savepoint=False):
@@ -123,6 +128,7 @@ def update(
             "overlap": overlap,
             "grace": grace,
             "atomic": atomic,
+            "kwargs": kwargs,
         }
         given = {key: value for key, value in given.items() if value is not _UNSET}
         if "cron" in given and given["cron"] is not None:
@@ -135,8 +141,14 @@ def update(
         new_handler = options.pop("handler")
         spec = build_spec(name=name, source=row.source, handler=None, **options)
         path = current.handler
-        if "handler" in given:
-            path = handler_path(new_handler, name, registered=True)
+        try:
+            if "handler" in given:
+                path = handler_path(new_handler, registered=True, kwargs=spec.kwargs)
+            elif "kwargs" in given:
+                check_stored_binding(path, spec.kwargs)
+        except ScheduleError as exc:
+            attrs = {**exc.attrs, "schedule": name}
+            raise ScheduleError(f"schedule {name!r}: {exc}", **attrs) from None
         spec = dataclasses.replace(spec, handler=path)
         reschedule(db, row, spec, now)
     return row
@@ -267,6 +279,7 @@ def _options(spec: ScheduleSpec) -> dict[str, Any]:
         "overlap": spec.overlap,
         "grace": timedelta(milliseconds=spec.grace_ms),
         "atomic": spec.atomic,
+        "kwargs": spec.kwargs,
     }
 
 

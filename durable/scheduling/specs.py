@@ -8,20 +8,24 @@ names the offending argument and carries the system-check id it maps to (``check
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from durable.core import cron as calendar
 from durable.core.catchup import CATCH_UP_POLICIES, OVERLAP_POLICIES, Policy
 from durable.core.timeutil import ceil_ms, datetime_to_ms
-from durable.exceptions import ScheduleError, UnknownHandler
+from durable.exceptions import ScheduleError
+from durable.scheduling.callables import check_kwargs, handler_path
 
 MAX_NAME_LENGTH = 200
 SETTINGS_KEYS = frozenset(
-    {"task", "cron", "every", "tz", "catch_up", "overlap", "grace", "atomic", "anchor"}
+    {"task", "cron", "every", "tz", "catch_up", "overlap", "grace", "atomic", "anchor", "kwargs"}
 )
+MAX_INTERVAL = timedelta(days=366)
+"""The longest ``every`` (one year, leap day included); longer belongs to a cron calendar."""
+_ONE_SECOND = timedelta(seconds=1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +45,8 @@ class ScheduleSpec:
     overlap: str = "skip"
     grace_ms: int = 60_000
     atomic: bool = True
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the function receives at each occurrence (a JSON object)."""
     source: str = "api"
     """``"code"`` (decorators), ``"settings"`` (``CRONS``) or ``"api"`` (run time)."""
 
@@ -59,6 +65,8 @@ class ScheduleSpec:
         """The fields a declaration sets, as JSON (what the sync compares)."""
         data = asdict(self)
         del data["name"], data["source"]
+        if not data["kwargs"]:  # rows synced before kwargs existed compare equal
+            del data["kwargs"]
         return data
 
 
@@ -77,8 +85,40 @@ def _cron(expression: str, tz: str) -> calendar.CronRecurrence:
     return found
 
 
-def _fail(message: str, check_id: str, name: str, field: str) -> ScheduleError:
-    return ScheduleError(message, schedule=name, field=field, check_id=check_id)
+class Problems:
+    """Every problem found in one declaration, raised together as one ``ScheduleError``.
+
+    ``where`` names the declaration in each message: the decorated function
+    (``@durable.cron on myapp.crons.digest``), the ``CRONS`` entry
+    (``DURABLE['CRONS']['nightly']``) or the schedule (``schedule 'digest'``).
+    """
+
+    def __init__(self, where: str, name: str) -> None:
+        self.where = where
+        self.name = name
+        self.found: list[ScheduleError] = []
+
+    def add(self, message: str, check_id: str, field: str) -> None:
+        """Note one problem: ``message`` starts with the argument it is about."""
+        self.found.append(
+            ScheduleError(
+                f"{self.where}: {message}", schedule=self.name, field=field, check_id=check_id
+            )
+        )
+
+    def raise_if_any(self) -> None:
+        """Raise one ``ScheduleError`` listing every problem (``.problems``: each alone)."""
+        if not self.found:
+            return
+        first = self.found[0]
+        text = "; ".join(str(p).removeprefix(f"{self.where}: ") for p in self.found)
+        raise ScheduleError(
+            f"{self.where}: {text}",
+            schedule=self.name,
+            field=first.field,
+            check_id=first.check_id,
+            problems=list(self.found),
+        )
 
 
 def build_spec(
@@ -87,28 +127,46 @@ def build_spec(
     handler: Any,
     source: str = "api",
     cron: str | None = None,
-    every: timedelta | None = None,
+    every: timedelta | float | None = None,
     anchor: datetime | None = None,
     tz: str = "UTC",
     catch_up: str = "fire_once",
     overlap: str = "skip",
-    grace: timedelta = timedelta(minutes=1),
+    grace: timedelta | float = timedelta(minutes=1),
     atomic: bool = True,
+    kwargs: dict[str, Any] | None = None,
+    where: str = "",
+    problems: Problems | None = None,
 ) -> ScheduleSpec:
     """Validate one schedule's arguments and return its :class:`ScheduleSpec`.
 
     ``handler`` is a module-level function or its dotted path (``None`` checks the other
-    arguments only, as the decorators do before they see the function). A run-time
-    schedule (``source="api"``) must name a function the worker has registered
-    (see :func:`handler_path`).
+    arguments only). A run-time schedule (``source="api"``) must name a function the
+    worker has registered (see :func:`handler_path`). ``every`` and ``grace`` take a
+    ``timedelta`` or a number of seconds. ``kwargs`` (a JSON object within
+    ``DURABLE["MAX_PAYLOAD_BYTES"]``) are passed to the function at each occurrence and
+    must bind to its signature. Every problem is reported, in one ``ScheduleError``
+    whose message starts with ``where`` (default: ``schedule '<name>'``).
     """
-    _check_name(name)
-    api = source == "api"
-    kind, expression, interval_ms, anchor_ms = _calendar(name, cron, every, anchor)
-    _check_options(name, tz, catch_up, overlap, grace, atomic)
+    found = problems or Problems(where or f"schedule {name!r}", str(name))
+    _check_name(name, found)
+    kind, expression, interval_ms, anchor_ms = _calendar(cron, every, anchor, found)
+    grace_ms = _check_options(tz, catch_up, overlap, grace, atomic, found)
+    kw: dict[str, Any] | None = None  # None: refused, so not bound to the function either
+    try:
+        kw = check_kwargs(kwargs)
+    except ScheduleError as exc:
+        found.add(str(exc), exc.check_id, "kwargs")
+    path = ""
+    if handler is not None:
+        try:
+            path = handler_path(handler, registered=source == "api", kwargs=kw)
+        except ScheduleError as exc:
+            found.add(str(exc), exc.check_id, exc.field)
+    found.raise_if_any()
     return ScheduleSpec(
         name=name,
-        handler="" if handler is None else handler_path(handler, name, registered=api),
+        handler=path,
         kind=kind,
         expression=expression,
         interval_ms=interval_ms,
@@ -116,195 +174,136 @@ def build_spec(
         tz=tz if kind == "cron" else "UTC",
         catch_up=catch_up,
         overlap=overlap,
-        grace_ms=ceil_ms(grace),
+        grace_ms=grace_ms,
         atomic=atomic,
+        kwargs=kw or {},
         source=source,
     )
 
 
 def _check_options(
-    name: str, tz: Any, catch_up: Any, overlap: Any, grace: Any, atomic: Any
-) -> None:
+    tz: Any, catch_up: Any, overlap: Any, grace: Any, atomic: Any, found: Problems
+) -> int:
     try:
         calendar.zone(tz)
     except ValueError as exc:
-        raise _fail(f"tz: {exc}", "durable.E011", name, "tz") from None
-    if catch_up not in CATCH_UP_POLICIES:
-        raise _fail(
+        found.add(f"tz: {exc}", "durable.E011", "tz")
+    if not isinstance(catch_up, str) or catch_up not in CATCH_UP_POLICIES:
+        found.add(
             f"catch_up: expected one of {', '.join(CATCH_UP_POLICIES)}; got {catch_up!r}",
             "durable.E012",
-            name,
             "catch_up",
         )
-    if overlap not in OVERLAP_POLICIES:
-        raise _fail(
+    if not isinstance(overlap, str) or overlap not in OVERLAP_POLICIES:
+        found.add(
             f"overlap: expected one of {', '.join(OVERLAP_POLICIES)}; got {overlap!r}",
             "durable.E013",
-            name,
             "overlap",
         )
-    if not isinstance(grace, timedelta) or grace < timedelta(0):
-        raise _fail(
-            f"grace: expected a non-negative timedelta, got {grace!r}",
+    period = _duration(grace)
+    if period is None or period < timedelta(0):
+        found.add(
+            f"grace: expected a non-negative timedelta or number of seconds, got {grace!r}",
             "durable.E018",
-            name,
             "grace",
         )
     if not isinstance(atomic, bool):
-        raise _fail(
-            f"atomic: expected True or False, got {atomic!r}", "durable.E018", name, "atomic"
-        )
+        found.add(f"atomic: expected True or False, got {atomic!r}", "durable.E018", "atomic")
+    return ceil_ms(period) if period is not None and period >= timedelta(0) else 0
 
 
-def _check_name(name: Any) -> None:
+def _duration(value: Any) -> timedelta | None:
+    """``value`` as a timedelta (numbers are seconds); None if it is not a finite one."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value):
+        return None
+    try:
+        return timedelta(seconds=value)
+    except OverflowError:  # beyond timedelta's 999,999,999 days
+        return None
+
+
+def _check_name(name: Any, found: Problems) -> None:
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LENGTH:
-        raise _fail(
+        found.add(
             f"name: expected 1 to {MAX_NAME_LENGTH} characters, got {name!r}",
             "durable.E019",
-            str(name),
             "name",
         )
-    if not name.isprintable() or name != name.strip():
-        raise _fail(
+    elif not name.isprintable() or name != name.strip():
+        found.add(
             f"name: {name!r} has control characters or surrounding spaces",
             "durable.E019",
-            name,
             "name",
         )
 
 
-def _calendar(name: str, cron: Any, every: Any, anchor: Any) -> tuple[str, str, int | None, int]:
+def _calendar(
+    cron: Any, every: Any, anchor: Any, found: Problems
+) -> tuple[str, str, int | None, int]:
     if (cron is None) == (every is None):
-        raise _fail("pass exactly one of cron= and every=", "durable.E015", name, "cron")
+        found.add("cron/every: pass exactly one of cron= and every=", "durable.E015", "cron")
+        return "cron", "", None, 0
     if cron is not None:
         if anchor is not None:
-            raise _fail("anchor: only for every= schedules", "durable.E017", name, "anchor")
+            found.add("anchor: only for every= schedules", "durable.E017", "anchor")
         try:
             return "cron", calendar.check_expression(cron), None, 0
         except ValueError as exc:
-            raise _fail(f"cron: {exc}", "durable.E010", name, "cron") from None
-    if not isinstance(every, timedelta) or every < timedelta(seconds=1):
-        raise _fail(
-            f"every: expected a timedelta of at least 1 second, got {every!r}",
-            "durable.E017",
-            name,
-            "every",
-        )
-    if every % timedelta(milliseconds=1):
-        raise _fail(f"every: {every!r} is not whole milliseconds", "durable.E017", name, "every")
+            found.add(f"cron: {exc}", "durable.E010", "cron")
+            return "cron", "", None, 0
     anchor_ms = 0
     if anchor is not None:
         if not isinstance(anchor, datetime) or anchor.utcoffset() is None:
-            raise _fail(
-                f"anchor: expected an aware datetime, got {anchor!r}",
-                "durable.E017",
-                name,
-                "anchor",
+            found.add(
+                f"anchor: expected an aware datetime, got {anchor!r}", "durable.E017", "anchor"
             )
-        anchor_ms = datetime_to_ms(anchor)
-    return "interval", "", every // timedelta(milliseconds=1), anchor_ms
-
-
-def handler_path(handler: Any, name: str = "", *, registered: bool = False) -> str:
-    """Return the dotted path of a schedule's function, checking it can be called by it.
-
-    The function must be a module-level, synchronous function that accepts one positional
-    argument (the :class:`Occurrence`); a dotted path must import to such a function.
-    The path comes from code (a decorator, ``CRONS``, a caller of ``durable.schedules``),
-    never from a row, so importing it is fine. With ``registered``, the function must
-    also be one the worker can find by name: declared with ``@durable.cron`` or
-    ``@durable.every``, named in ``CRONS``, or decorated with ``@durable.handler``.
-    """
-    where = f"schedule {name!r}: " if name else ""
-    fn = _import(handler, where) if isinstance(handler, str) else handler
-    if not inspect.isfunction(fn):
-        raise _fail(
-            f"{where}handler: expected a module-level function, got {type(fn).__name__}",
-            "durable.E016",
-            name,
-            "handler",
+        else:
+            anchor_ms = datetime_to_ms(anchor)
+    period = _duration(every)
+    if period is None or not _ONE_SECOND <= period <= MAX_INTERVAL:
+        found.add(
+            f"every: expected a timedelta or a number of seconds from 1 s to "
+            f"{MAX_INTERVAL.days} days, got {every!r}",
+            "durable.E017",
+            "every",
         )
-    path = f"{fn.__module__}.{fn.__qualname__}"
-    if "<locals>" in path or "<lambda>" in path:
-        raise _fail(
-            f"{where}handler: {path} is not importable by name; define it at module level",
-            "durable.E016",
-            name,
-            "handler",
-        )
-    if inspect.iscoroutinefunction(fn):
-        raise _fail(f"{where}handler: {path} is async", "durable.E016", name, "handler")
-    try:
-        inspect.signature(fn).bind(None)
-    except TypeError:
-        raise _fail(
-            f"{where}handler: {path} must accept one positional argument (the occurrence)",
-            "durable.E016",
-            name,
-            "handler",
-        ) from None
-    if registered:
-        _check_registered(handler if isinstance(handler, str) else path, where, name)
-    return handler if isinstance(handler, str) else path
-
-
-def _check_registered(path: str, where: str, name: str) -> None:
-    from durable.scheduling.cron import schedule_function
-
-    try:
-        schedule_function(path)
-    except UnknownHandler as exc:
-        raise _fail(f"{where}handler: {exc}", "durable.E016", name, "handler") from None
-
-
-def _import(path: str, where: str) -> Any:
-    from django.utils.module_loading import import_string
-
-    try:
-        return import_string(path)
-    except ImportError as exc:
-        raise ScheduleError(
-            f"{where}handler: cannot import {path!r} ({exc})",
-            field="handler",
-            check_id="durable.E016",
-        ) from None
+        return "interval", "", None, anchor_ms
+    if period % timedelta(milliseconds=1):
+        found.add(f"every: {every!r} is not whole milliseconds", "durable.E017", "every")
+    return "interval", "", period // timedelta(milliseconds=1), anchor_ms
 
 
 def settings_spec(name: str, entry: Any) -> ScheduleSpec:
-    """Validate one ``DURABLE["CRONS"]`` entry: ``{"task": path, "cron"|"every": ...}``."""
-    where = f"DURABLE['CRONS'][{name!r}]"
+    """Validate one ``DURABLE["CRONS"]`` entry: ``{"task": path, "cron"|"every": ...}``.
+
+    Every problem of the entry is reported at once, each naming the entry.
+    """
+    found = Problems(f"DURABLE['CRONS'][{name!r}]", str(name))
     if not isinstance(entry, dict):
-        raise _fail(
-            f"{where}: expected a dict, got {type(entry).__name__}", "durable.E015", str(name), ""
-        )
+        found.add(f"expected a dict, got {type(entry).__name__}", "durable.E015", "")
+        found.raise_if_any()
     unknown = sorted(set(entry) - SETTINGS_KEYS)
     if unknown:
-        raise _fail(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        found.add(
+            f"unknown key(s) {', '.join(map(repr, unknown))}; "
             f"allowed: {', '.join(sorted(SETTINGS_KEYS))}",
             "durable.E015",
-            str(name),
             unknown[0],
         )
     if "task" not in entry:
-        raise _fail(
-            f"{where}: missing 'task' (the function's dotted path)",
-            "durable.E015",
-            str(name),
-            "task",
-        )
-    options = {key: value for key, value in entry.items() if key != "task"}
-    for key in ("every", "grace"):  # numbers are seconds in settings
-        if isinstance(options.get(key), int | float) and not isinstance(options[key], bool):
-            options[key] = timedelta(seconds=options[key])
-    try:
-        return build_spec(name=name, handler=entry["task"], source="settings", **options)
-    except ScheduleError as exc:
-        raise ScheduleError(f"{where}: {exc}", **exc.attrs) from None
+        found.add("task: missing (the function's dotted path)", "durable.E015", "task")
+    options = {key: value for key, value in entry.items() if key in SETTINGS_KEYS - {"task"}}
+    return build_spec(
+        name=name, handler=entry.get("task"), source="settings", problems=found, **options
+    )
 
 
 def settings_specs(crons: Any) -> list[ScheduleSpec]:
-    """Validate all of ``DURABLE["CRONS"]``; the first problem raises ``ScheduleError``."""
+    """Validate all of ``DURABLE["CRONS"]``; the first bad entry raises ``ScheduleError``."""
     if not isinstance(crons, dict):
         raise ScheduleError(
             f"DURABLE['CRONS']: expected a dict of name -> entry, got {type(crons).__name__}",
@@ -327,6 +326,7 @@ def row_spec(row: Any) -> ScheduleSpec:
         overlap=row.overlap,
         grace_ms=row.grace_ms,
         atomic=row.atomic,
+        kwargs=dict(row.kwargs or {}),
         source=row.source,
     )
 
@@ -343,6 +343,7 @@ def apply_spec(row: Any, spec: ScheduleSpec) -> None:
     row.grace_ms = spec.grace_ms
     row.handler = spec.handler
     row.atomic = spec.atomic
+    row.kwargs = dict(spec.kwargs)
 
 
 SPEC_FIELDS = (
@@ -356,4 +357,5 @@ SPEC_FIELDS = (
     "grace_ms",
     "handler",
     "atomic",
+    "kwargs",
 )

@@ -203,7 +203,8 @@ def add_signal(db: str, run_id: str, name: str, payload: Any) -> WorkflowSignal:
 
 
 def cancel_tree(db: str, root: WorkflowRun, now_ms: int) -> list[str]:
-    """Cancel ``root`` and its unfinished descendants and their pending wake-ups.
+    """Cancel ``root`` and its unfinished descendants, their pending wake-ups and scheduled
+    signals.
 
     Walks every child whatever its state, so a finished child does not shield its own
     running children. Returns the ids cancelled, root first.
@@ -238,7 +239,10 @@ def cancel_tree(db: str, root: WorkflowRun, now_ms: int) -> list[str]:
     for shard, ids in shards.items():
         # The pending-timer index serves (shard, state): no scan of other shards.
         Timer.objects.using(db).filter(
-            shard=shard, state=TimerState.PENDING, kind=TimerKind.WORKFLOW, target__in=ids
+            shard=shard,
+            state=TimerState.PENDING,
+            kind__in=(TimerKind.WORKFLOW, TimerKind.SIGNAL),  # wake-ups, scheduled signals
+            target__in=ids,
         ).update(state=TimerState.CANCELED, updated_at=when)
     return cancelled
 

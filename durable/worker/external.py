@@ -35,7 +35,7 @@ from durable.core.clock import Clock
 from durable.dispatch import executors
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec
-from durable.exceptions import HandlerAborted, HandlerTimeout, LeaseLost
+from durable.exceptions import HandlerTimeout, LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
 from durable.storage.leases import fence
@@ -288,10 +288,10 @@ class ExternalRunner:
         try:
             with firing(ctx):
                 value = entry.spec.fn(*timer.args, **timer.kwargs)
-        except Exception as exc:
-            error = exc
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this attempt fails
-            error = HandlerAborted.contain(exc)
+        # SystemExit, KeyboardInterrupt...: this attempt fails (HandlerAborted); GiveUp or
+        # the handler's give_up_on/retry_on make the failure final.
+        except BaseException as exc:
+            error = entry.spec.failure(exc)
         if not self._finish(entry):
             return  # abandoned meanwhile: reap() recorded the attempt
         if error is None and ctx.completed and not timer.on_complete:
@@ -406,5 +406,5 @@ class ExternalRunner:
                 f"the handler ran past its timeout of {timeout:g} s and was abandoned",
                 timeout_s=timeout,
             )
-            self._settle(entry, None, error)
+            self._settle(entry, None, entry.spec.failure(error))
         return len(late)

@@ -46,7 +46,7 @@ from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec, check_stored_call
-from durable.exceptions import AttemptsExhausted, HandlerAborted
+from durable.exceptions import AttemptsExhausted
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
@@ -320,7 +320,7 @@ class Firer:
             except kinds.RedoCarefully:
                 raise
             except BaseException as exc:  # any failure is this timer's: redo carefully
-                raise _Rollback(timer.id, HandlerAborted.contain(exc)) from exc
+                raise _Rollback(timer.id, spec.failure(exc)) from exc
             return False
         if timer.id in failed:
             out.errors.append((timer, failed[timer.id]))
@@ -329,7 +329,7 @@ class Firer:
             with transaction.atomic(using=self.db), firing(ctx), self.deadlines.limit(timeout):
                 out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
         except BaseException as exc:  # its savepoint rolled its own effects back
-            out.errors.append((timer, HandlerAborted.contain(exc)))
+            out.errors.append((timer, spec.failure(exc)))
         return False
 
     def _record(

@@ -17,7 +17,7 @@ from django.db import DatabaseError, transaction
 from durable.conf import DurableSettings
 from durable.core.backoff import Backoff
 from durable.core.errors import sanitize_error
-from durable.dispatch import kinds
+from durable.dispatch import giveup, kinds
 from durable.exceptions import LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
@@ -48,10 +48,11 @@ class Outcomes:
         now_ms: int,
         readd: list[Readd],
     ) -> None:
-        """Attempt ``attempt`` failed: put the timer back at now + backoff, or dead-letter it."""
-        error = sanitize_error(exc)
-        # final: an error no retry can fix (a row whose args are not a list, say).
-        if attempt < timer.max_attempts and not getattr(exc, "final", False):
+        """Attempt ``attempt`` failed: put the timer back at now + backoff, or dead-letter it
+        (at once, attempts left or not, if the failure is final: ``GiveUp``)."""
+        error = giveup.error_text(exc)
+        gave_up = giveup.is_final(exc)
+        if attempt < timer.max_attempts and not gave_up:
             backoff = Backoff(base_s=timer.backoff_base_s, max_s=timer.backoff_max_s)
             fire_at = now_ms + backoff.delay_ms(attempt)
             store.mark_retry(self.db, timer, attempt, fire_at, self.conf.BUCKET_SHIFT, error)
@@ -69,6 +70,7 @@ class Outcomes:
             target=timer.target,
             attempts=attempt,
             error=error,
+            gave_up=gave_up,
         )
         if timer.on_complete:
             self.followup(timer, {"status": "failed", "error": error}, now_ms, readd)
@@ -121,7 +123,7 @@ class Outcomes:
             timer=timer.id,
             target=timer.target,
             attempt=attempt,
-            error=sanitize_error(exc),
+            error=giveup.error_text(exc),
         )
 
 

@@ -15,6 +15,7 @@ replays), ``memory`` (in-memory runs for unit tests).
 
 from __future__ import annotations
 
+from durable.workflows import scheduled  # noqa: F401  (registers the "signal" kind)
 from durable.workflows.context import StepOptions, WorkflowContext
 from durable.workflows.operations import cancel_workflow, get_result, retry, runs, send_signal
 from durable.workflows.records import ChildHandle

@@ -233,6 +233,7 @@ class DatabaseBackend:
     def _failed(self, call: StepCall, exc: Exception, *, final: bool) -> Record:
         error = sanitize_error(exc)
         fields = {"seq": call.seq, "kind": call.kind, "name": call.name, "error": error}
+        final = final or call.policy.gives_up(exc)  # GiveUp, give_up_on, retry_on
         if final or call.attempt >= call.policy.max_attempts:
             record = Record(**fields, status=Status.FAILED, attempts=call.attempt)
             with self.checkpoint():

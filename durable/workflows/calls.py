@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable.core.backoff import Backoff
+from durable.dispatch.giveup import Exceptions, check_exceptions
 from durable.exceptions import StepFailed
 from durable.scheduling.validation import (
     check_delay,
@@ -75,7 +76,7 @@ def op(method: T) -> T:
 class StepOptions:
     """``ctx.options(...)``: the same ``step``/``atomic`` with per-call retry policy or name."""
 
-    __slots__ = ("_backoff", "_ctx", "_max_attempts", "_name", "_timeout")
+    __slots__ = ("_backoff", "_ctx", "_max_attempts", "_name", "_retry", "_timeout")
 
     def __init__(
         self,
@@ -84,12 +85,14 @@ class StepOptions:
         backoff: Backoff | None,
         name: str | None,
         timeout: float | None = None,
+        retry: tuple[Exceptions, Exceptions] = ((), ()),
     ) -> None:
         self._ctx = ctx
         self._max_attempts = max_attempts
         self._backoff = backoff
         self._name = name
         self._timeout = timeout
+        self._retry = retry  # (retry_on, give_up_on), validated
 
     @classmethod
     def checked(
@@ -100,23 +103,31 @@ class StepOptions:
         name: Any,
         max_s: float,
         timeout: Any = None,
+        retry: tuple[Any, Any] = (None, None),
     ) -> StepOptions:
-        """Validate the options (errors name the argument) and bind them to ``ctx``."""
+        """Validate the options (errors name the argument) and bind them to ``ctx``.
+
+        ``retry``: the ``(retry_on, give_up_on)`` arguments, as passed.
+        """
         check_max_attempts(max_attempts)
         policy = to_backoff(backoff, max(max_s, 1.0))
         if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
             raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
         check_text(name, "name")
-        return cls(ctx, max_attempts, policy, name, check_timeout(timeout))
+        checked = (
+            check_exceptions(retry[0], "retry_on"),
+            check_exceptions(retry[1], "give_up_on"),
+        )
+        return cls(ctx, max_attempts, policy, name, check_timeout(timeout), checked)
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """:meth:`WorkflowContext.step` with these options."""
-        opts = (self._max_attempts, self._backoff, self._name, self._timeout)
+        opts = (self._max_attempts, self._backoff, self._name, self._timeout, self._retry)
         return self._ctx._step(Kind.STEP, fn, args, kwargs, *opts)
 
     def atomic(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """:meth:`WorkflowContext.atomic` with these options."""
-        opts = (self._max_attempts, self._backoff, self._name, self._timeout)
+        opts = (self._max_attempts, self._backoff, self._name, self._timeout, self._retry)
         return self._ctx._step(Kind.ATOMIC, fn, args, kwargs, *opts)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from durable.core.backoff import Backoff
 from durable.core.timeutil import ceil_ms, datetime_to_ms, ms_to_datetime
+from durable.dispatch.giveup import Exceptions
 from durable.exceptions import (
     ChildWorkflowFailed,
     NonDeterminismError,
@@ -127,7 +128,8 @@ class WorkflowContext:
         At least once for outside effects: a crash after ``fn`` returned and before its
         record committed runs it again (use :attr:`idempotency_key`). A failure is
         retried with backoff through a durable timer (the run suspends in between);
-        after the last attempt :class:`~durable.exceptions.StepFailed` is raised here.
+        after the last attempt, or at once if ``fn`` raises :class:`durable.GiveUp`,
+        :class:`~durable.exceptions.StepFailed` is raised here.
         """
         return self._step(Kind.STEP, fn, args, kwargs, None, None, None, None)
 
@@ -146,6 +148,8 @@ class WorkflowContext:
         backoff: Backoff | timedelta | None = None,
         name: str | None = None,
         timeout: float | timedelta | None = None,
+        retry_on: Any = None,
+        give_up_on: Any = None,
     ) -> StepOptions:
         """Step options for one call: ``ctx.options(max_attempts=3).step(fn, ...)``.
 
@@ -153,10 +157,14 @@ class WorkflowContext:
         renaming the function, so running workflows still replay). ``timeout`` (seconds
         or a ``timedelta``; outside steps only) fails an attempt that runs longer with
         ``HandlerTimeout`` (retried like any failure); steps have no deadline otherwise.
+        ``retry_on``/``give_up_on`` (exception classes) fail the step at once, with
+        ``StepFailed``, as ``@durable.handler``'s do; a step raising ``durable.GiveUp``
+        always does.
         """
         return StepOptions.checked(
-            self, max_attempts, backoff, name, self._policy.backoff.max_s, timeout
-        )
+            self, max_attempts, backoff, name, self._policy.backoff.max_s, timeout,
+            (retry_on, give_up_on),
+        )  # fmt: skip
 
     @op
     def _step(
@@ -169,6 +177,7 @@ class WorkflowContext:
         backoff: Backoff | None,
         name: str | None,
         timeout_s: float | None,
+        retry: tuple[Exceptions, Exceptions] = ((), ()),
     ) -> Any:
         if not callable(fn):
             raise TypeError(f"ctx.{kind}(): expected a callable, got {type(fn).__name__}")
@@ -176,6 +185,8 @@ class WorkflowContext:
             max_attempts=max_attempts or self._policy.max_attempts,
             backoff=backoff or self._policy.backoff,
             timeout_s=timeout_s,
+            retry_on=retry[0],
+            give_up_on=retry[1],
         )
         seq, prior = self._next(kind, name or call_name(fn))
         if prior is not None:

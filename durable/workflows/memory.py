@@ -95,7 +95,7 @@ class _MemoryBackend:
             record = Record(**fields, status=Status.FAILED, error=sanitize_error(exc))
         except Exception as exc:
             error = sanitize_error(exc)
-            if call.attempt < call.policy.max_attempts:
+            if call.attempt < call.policy.max_attempts and not call.policy.gives_up(exc):
                 wake = self.now_ms() + call.policy.backoff.delay_ms(call.attempt)
                 return self.suspend(
                     Record(**fields, status=Status.RETRYING, error=error, wake_ms=wake)

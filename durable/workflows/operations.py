@@ -10,7 +10,8 @@ next checkpoint.
 from __future__ import annotations
 
 import time
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, overload
 
 from django.db import transaction
 
@@ -18,8 +19,8 @@ from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.core.sharding import shard_for
 from durable.exceptions import UnknownWorkflow, WorkflowError
-from durable.models import WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
-from durable.scheduling.validation import check_stored, check_text
+from durable.models import Timer, WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
+from durable.scheduling.validation import check_stored, check_text, fire_at_ms
 from durable.storage import workflows as store
 from durable.workflows.calls import check_signal
 
@@ -39,19 +40,53 @@ def _locked(db: str, run_id: str) -> WorkflowRun:
     return run
 
 
-def send_signal(run_id: WorkflowRun | str, name: str, payload: Any = None) -> WorkflowSignal:
+@overload
+def send_signal(run_id: WorkflowRun | str, name: str, payload: Any = None) -> WorkflowSignal: ...
+
+
+@overload
+def send_signal(
+    run_id: WorkflowRun | str, name: str, payload: Any = None, *, at: datetime
+) -> Timer: ...
+
+
+@overload
+def send_signal(
+    run_id: WorkflowRun | str, name: str, payload: Any = None, *, delay: timedelta
+) -> Timer: ...
+
+
+def send_signal(
+    run_id: WorkflowRun | str,
+    name: str,
+    payload: Any = None,
+    *,
+    at: datetime | None = None,
+    delay: timedelta | None = None,
+) -> WorkflowSignal | Timer:
     """Send signal ``name`` with a JSON ``payload`` to a run; kept until a wait takes it.
 
     Written in the caller's transaction (atomic with it). Raises
     :class:`~durable.exceptions.UnknownWorkflow` for an unknown run and
     :class:`~durable.exceptions.WorkflowError` for a finished one.
+
+    With ``at`` (an aware datetime; a past one means now) or ``delay`` (a ``timedelta``),
+    the signal is scheduled instead: a durable timer (kind ``signal``), written in the
+    caller's transaction and returned, that delivers it then, as this call would. Cancel
+    it with ``durable.cancel(timer)``. Its payload must fit ``MAX_PAYLOAD_BYTES``. If
+    the run has finished when it fires, the timer is dead-lettered with that error (see
+    :mod:`durable.workflows.scheduled`).
     """
     run_id = _run_id(run_id)
     check_signal(name)
     conf = get_settings()
     check_stored(payload, "payload", conf.MAX_PAYLOAD_BYTES, "MAX_PAYLOAD_BYTES")
-    db = conf.DATABASE
     now_ms = current_clock().now_ms()
+    if at is not None or delay is not None:
+        from durable.workflows.scheduled import schedule_signal
+
+        return schedule_signal(run_id, name, payload, fire_at_ms(at, delay, now_ms), now_ms)
+    db = conf.DATABASE
     with transaction.atomic(using=db, savepoint=False):
         run = _locked(db, run_id)
         if run.finished:

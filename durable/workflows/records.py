@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from durable.core.backoff import Backoff
+from durable.dispatch.giveup import gives_up
 from durable.exceptions import WorkflowError
 
 
@@ -126,6 +127,15 @@ class StepPolicy:
     """An outside step's deadline (``ctx.options(timeout=...)``); None: none."""
     max_steps: int = 10_000
     """Most ctx calls a run may record (``DURABLE["MAX_STEPS_PER_RUN"]``)."""
+    retry_on: tuple[type[Exception], ...] = ()
+    """Only these exceptions are retried (``ctx.options(retry_on=...)``); empty: all."""
+    give_up_on: tuple[type[Exception], ...] = ()
+    """These exceptions fail the step at once (``ctx.options(give_up_on=...)``)."""
+
+    def gives_up(self, exc: BaseException) -> bool:
+        """Whether the step's failure ``exc`` is final: ``GiveUp``, or the policy says so
+        (see :mod:`durable.dispatch.giveup`)."""
+        return gives_up(exc, self.retry_on, self.give_up_on)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -130,7 +130,7 @@ def test_operator_path_through_the_admin(worker, page, shots):
     page.check(f"input[name=_selected_action][value='{victim.pk}']")
     page.select_option("select[name=action]", "cancel_timers")
     page.click("button[name=index]")
-    page.wait_for_selector(".messagelist >> text=Cancelled 1 timers")
+    page.wait_for_selector(".messagelist >> text=Cancelled 1 timer.")
     assert page.locator(f"input[name=_selected_action][value='{victim.pk}']").count() == 0
     assert Timer.objects.get(pk=victim.pk).state == "canceled"
 
@@ -143,7 +143,7 @@ def test_operator_path_through_the_admin(worker, page, shots):
     page.fill("#id_delay", "1 00:00:00")
     page.screenshot(path=str(shots / "admin-reschedule.png"), full_page=True)
     page.click("input[type=submit][value='Reschedule timers']")
-    page.wait_for_selector(".messagelist >> text=Rescheduled 1 timers")
+    page.wait_for_selector(".messagelist >> text=Rescheduled 1 timer.")
     replacement = Timer.objects.get(key="invoice:2")
     assert replacement.pk != moved.pk and replacement.fire_at_ms > moved.fire_at_ms
 
@@ -160,7 +160,7 @@ def test_operator_path_through_the_admin(worker, page, shots):
     page.fill("#id_name", "first-order")
     page.fill("#id_payload", '{"order": 17}')
     page.click("input[type=submit][value='Send a signal']")
-    page.wait_for_selector(".messagelist >> text=Sent 'first-order' to 1 workflow runs")
+    page.wait_for_selector(".messagelist >> text=Sent 'first-order' to 1 workflow run.")
     assert page.locator("#signals-group td.field-name >> text=first-order").count() == 1
 
     page.goto(f"{base}/admin/durable/cronschedule/")

@@ -120,7 +120,7 @@ def test_cancel_action_uses_durable_cancel(admin_client, clock):
     fired = later()[0]
     Timer.objects.filter(pk=fired.pk).update(state="fired")
     response = act(admin_client, "timer", "cancel_timers", [parent.pk, fired.pk])
-    assert "Cancelled 1 timers" in said(response)
+    assert "Cancelled 1 timer." in said(response)
     assert f"left unchanged (not pending): {fired.pk}" in said(response)
     states = dict(Timer.objects.values_list("pk", "state"))
     assert states[parent.pk] == states[child.pk] == "canceled"  # the cascade of the API
@@ -131,7 +131,7 @@ def test_fire_now_replaces_the_timer_keeping_key_children_and_handler(admin_clie
     parent = durable.schedule(probes.record, args=["p"], delay=HOUR, key="invoice:7")
     child = durable.schedule(probes.record, args=["c"], delay=HOUR, parent=parent)
     response = act(admin_client, "timer", "fire_now", [parent.pk])
-    assert "Made due now 1 timers" in said(response)
+    assert "Made due now 1 timer." in said(response)
     old = Timer.objects.get(pk=parent.pk)
     new = Timer.objects.get(key="invoice:7")
     assert old.state == "canceled" and old.key is None
@@ -155,7 +155,7 @@ def test_reschedule_asks_for_a_time_then_moves_the_timer(admin_client, clock):
     both = act(admin_client, "timer", "reschedule", [timer.pk], apply="1")
     assert "either a date and time or a delay" in both.content.decode()
     done = act(admin_client, "timer", "reschedule", [timer.pk], apply="1", delay="02:00:00")
-    assert "Rescheduled 1 timers" in said(done)
+    assert "Rescheduled 1 timer." in said(done)
     new = Timer.objects.get(state="pending")
     assert new.fire_at_ms == START_MS + 2 * 3_600_000
     at = act(
@@ -167,7 +167,7 @@ def test_reschedule_asks_for_a_time_then_moves_the_timer(admin_client, clock):
         at_0="2030-04-01",
         at_1="12:00:00",
     )
-    assert "Rescheduled 1 timers" in said(at)
+    assert "Rescheduled 1 timer." in said(at)
     expected = datetime_to_ms(datetime(2030, 4, 1, 12, tzinfo=UTC))  # the site's zone is UTC
     assert Timer.objects.get(state="pending").fire_at_ms == expected
 
@@ -296,7 +296,7 @@ def test_run_actions_cancel_retry_and_signal(admin_client, clock):
         name="first-order",
         payload='{"order": 42}',
     )
-    assert "Sent 'first-order' to 1 workflow runs" in said(sent)
+    assert "Sent 'first-order' to 1 workflow run." in said(sent)
     assert WorkflowSignal.objects.get(run=active).payload == {"order": 42}
     act(admin_client, "workflowrun", "retry_runs", [failed.pk, active.pk])
     assert WorkflowRun.objects.get(pk=failed.pk).state == "pending"
@@ -319,7 +319,7 @@ def test_schedule_pause_resume_and_run_now_through_a_worker(admin_client, clock,
     row = CronSchedule.objects.get()
     assert row.enabled and Timer.objects.filter(kind="cron", state="pending").count() == 1
     response = act(admin_client, "cronschedule", "run_now", [pk])
-    assert "Queued a run of 1 cron schedules" in said(response)
+    assert "Queued a run of 1 cron schedule." in said(response)
     assert "digest → timer" in said(response)
     engine = Engine(node="admin-node", clock=clock, threads=1)
     engine.start()

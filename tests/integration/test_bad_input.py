@@ -273,3 +273,14 @@ def test_an_on_complete_handler_must_take_the_follow_up_keywords():
     durable.schedule(anything, on_complete=anything)
     durable.schedule(anything, on_complete="testproject.demo.handlers.on_done")
     assert Timer.objects.count() == 2
+
+
+def test_a_scheduled_signal_after_the_bound_is_refused():
+    run = tiny.start(run_id="r1")
+    with pytest.raises(ValueError, match=r"^delay: .* is after 9999-12-30"):
+        durable.send_signal(run, "go", delay=timedelta.max)
+    with pytest.raises(ValueError, match=r"^at: .* is after 9999-12-30"):
+        durable.send_signal(run, "go", at=datetime.max.replace(tzinfo=UTC))
+    with pytest.raises(PayloadError, match=r"^payload: 70002 bytes of JSON"):
+        durable.send_signal(run, "go", "x" * 70_000, delay=timedelta(hours=1))
+    assert Timer.objects.exclude(kind="workflow").count() == 0

@@ -173,6 +173,52 @@ def test_a_0230_schedule_fires_once_on_each_dst_day(engine, clock, tz, start, ex
     assert row("night").skipped_count == 0
 
 
+@pytest.mark.parametrize(
+    ("expression", "start", "expected"),
+    [
+        # Wildcards (minute or hour field starting with "*") follow the running clock,
+        # as Vixie cron's do: nothing in the skipped hour, both passes of the repeated one.
+        (
+            "*/30 * * * *",
+            datetime(2030, 3, 31, 0, 15, tzinfo=UTC),  # Paris springs forward at 01:00 UTC
+            ["03-31 01:30 CET", "03-31 03:00 CEST", "03-31 03:30 CEST"],
+        ),
+        (
+            "*/30 * * * *",
+            datetime(2030, 10, 27, 0, 15, tzinfo=UTC),  # and falls back at 01:00 UTC
+            ["10-27 02:30 CEST", "10-27 02:00 CET", "10-27 02:30 CET"],
+        ),
+        (
+            "0 */2 * * *",
+            datetime(2030, 3, 30, 22, 30, tzinfo=UTC),
+            ["03-31 00:00 CET", "03-31 04:00 CEST", "03-31 06:00 CEST"],
+        ),
+        (
+            "0 */2 * * *",
+            datetime(2030, 10, 26, 22, 30, tzinfo=UTC),
+            ["10-27 02:00 CEST", "10-27 02:00 CET", "10-27 04:00 CET"],
+        ),
+    ],
+)
+def test_wildcard_schedules_follow_the_clock_across_dst(engine, clock, expression, start, expected):
+    clock.set(start)
+    engine.tick()
+    schedules.create("wild", RECORD, cron=expression, tz="Europe/Paris")
+    for _ in expected:
+        clock.set(row("wild").next_ms)
+        engine.tick()
+        clock.advance(S)
+        engine.tick()
+    zone = ZoneInfo("Europe/Paris")
+    fired = [
+        ms_to_wall(ms, zone).strftime("%m-%d %H:%M ")
+        + datetime.fromtimestamp(ms / 1000, UTC).astimezone(zone).tzname()
+        for ms, _ in runs("wild")
+    ]
+    assert fired == expected
+    assert row("wild").skipped_count == 0
+
+
 def test_an_interval_keeps_its_utc_cadence_across_dst(engine, clock):
     clock.set(datetime(2030, 3, 31, 0, 30, tzinfo=UTC))  # Paris springs forward at 01:00 UTC
     engine.tick()
@@ -565,6 +611,9 @@ def test_management_command_syncs(clock, settings, capsys):
 # -- validation -----------------------------------------------------------------------------
 
 
+JOB = "tests.integration.test_cron.decorated_job"
+
+
 @pytest.mark.parametrize(
     ("decorate", "message"),
     [
@@ -572,15 +621,108 @@ def test_management_command_syncs(clock, settings, capsys):
         (lambda: durable.cron("0 9 * * *", tz="Europe/Pariss"), "tz: unknown time zone"),
         (lambda: durable.cron("0 9 * * *", catch_up="latest"), "catch_up: expected one of"),
         (lambda: durable.cron("0 9 * * *", overlap="allow"), "overlap: expected one of"),
-        (lambda: durable.every(timedelta(milliseconds=500)), "every: expected a timedelta"),
-        (lambda: durable.every(10), "every: expected a timedelta"),
+        (lambda: durable.every(timedelta(milliseconds=500)), "every: expected a timedelta or a"),
         (lambda: durable.cron("0 9 * * *", grace=timedelta(seconds=-1)), "grace"),
         (lambda: durable.cron.daily(at="25:00"), "at: expected 'HH:MM'"),
+        (lambda: durable.cron.weekly(on="someday"), "on: expected day names"),
     ],
 )
-def test_bad_declarations_raise_at_import_naming_the_argument(decorate, message):
-    with pytest.raises((ScheduleError, ValueError), match=message):
-        decorate()
+def test_bad_declarations_raise_at_import_naming_the_function_and_argument(decorate, message):
+    with pytest.raises(ScheduleError, match=f"^@durable.(cron|every) on {JOB}: {message}"):
+        decorate()(decorated_job)
+
+
+@pytest.mark.parametrize(
+    ("period", "shown"),
+    [
+        (0, "got 0"),
+        (-5, "got -5"),
+        (0.5, "got 0.5"),
+        (float("nan"), "got nan"),
+        (float("inf"), "got inf"),
+        (True, "got True"),
+        ("60", "got '60'"),
+        (366 * 86_400 + 1, "got 31622401"),
+        (timedelta(days=367), "got datetime.timedelta\\(days=367\\)"),
+    ],
+)
+def test_every_refuses_bad_periods_naming_the_argument(period, shown):
+    expected = f"@durable.every on {JOB}: every: expected a timedelta or a number of seconds "
+    with pytest.raises(ScheduleError, match=f"^{expected}from 1 s to 366 days, {shown}$"):
+        durable.every(period)(decorated_job)
+    with pytest.raises(ScheduleError, match=r"every: .*not whole milliseconds"):
+        durable.every(1.0001)(decorated_job)
+
+
+def test_every_takes_seconds_as_crons_does(clock):
+    from durable.scheduling.cron import declared
+
+    try:
+        durable.every(5, name="five")(decorated_job)
+        durable.every(1.5, name="one-and-a-half", grace=2)(decorated_job)
+        durable.every(366 * 86_400, name="yearly-ish")(decorated_job)
+        specs = {s.name: s for s in declared.specs()}
+        assert specs["five"].interval_ms == 5_000
+        assert (specs["one-and-a-half"].interval_ms, specs["one-and-a-half"].grace_ms) == (
+            1_500,
+            2_000,
+        )
+        assert specs["yearly-ish"].interval_ms == 366 * 86_400_000
+    finally:
+        for name in ("five", "one-and-a-half", "yearly-ish"):
+            declared.unregister(name)
+
+
+def test_a_bad_declaration_reports_every_problem_at_once():
+    from durable.checks import _schedule_errors
+
+    with pytest.raises(ScheduleError) as caught:
+        durable.cron(
+            "61 * * * *",
+            tz="Mars/Olympus",
+            catch_up="latest",
+            overlap="allow",
+            grace=-1,
+            atomic="yes",
+            kwargs=["not", "a", "dict"],
+            name=" padded ",
+        )(decorated_job)
+    where = f"@durable.cron on {JOB}"
+    assert str(caught.value).startswith(f"{where}: name: ' padded ' has control characters")
+    messages = [(e.id, e.msg) for e in _schedule_errors(caught.value)]
+    assert [i for i, _ in messages] == [
+        "durable.E019",
+        "durable.E010",
+        "durable.E011",
+        "durable.E012",
+        "durable.E013",
+        "durable.E018",
+        "durable.E018",
+        "durable.E018",
+    ]
+    assert all(m.startswith(f"{where}: ") for _, m in messages)
+    fields = [m.removeprefix(f"{where}: ").split(":", 1)[0] for _, m in messages]
+    assert fields == ["name", "cron", "tz", "catch_up", "overlap", "grace", "atomic", "kwargs"]
+    # A helper's own argument is one problem among the others.
+    with pytest.raises(ScheduleError) as caught:
+        durable.cron.daily(at="25:00", tz="Mars/Olympus")(decorated_job)
+    assert [p.field for p in caught.value.problems] == ["at", "tz"]
+
+
+def test_a_name_declared_twice_names_both_functions():
+    from durable.scheduling.cron import declared
+
+    durable.cron("0 9 * * *", name="dup")(decorated_job)
+    try:
+        with pytest.raises(ScheduleError) as caught:
+            durable.cron("0 9 * * *", name="dup")(other_job)
+        assert str(caught.value) == (
+            "tests.integration.test_cron.other_job: name: schedule 'dup' is already declared "
+            f"for {JOB}; pass a distinct name="
+        )
+        assert caught.value.check_id == "durable.E014"
+    finally:
+        declared.unregister("dup")
 
 
 def test_a_function_that_cannot_take_an_occurrence_is_refused():
@@ -619,8 +761,85 @@ def test_check_reports_each_kind_of_bad_crons_entry(settings):
         found.setdefault(error.id, []).append(error.msg)
     assert sorted(found) == [f"durable.E0{n}" for n in (10, 11, 12, 13, 15, 16, 17, 18, 19)]
     assert len(found["durable.E015"]) == 2  # both cron and every; an unknown key
-    assert "'expr'" in found["durable.E010"][0] and "never matches" in found["durable.E010"][0]
-    assert "Mars/Olympus" in found["durable.E011"][0]
+    assert found["durable.E010"] == [
+        "DURABLE['CRONS']['expr']: cron: invalid cron expression '0 0 30 2 *': "
+        "it never matches a date"
+    ]
+    assert found["durable.E011"][0].startswith("DURABLE['CRONS']['zone']: tz: unknown time zone")
+    assert found["durable.E017"] == [
+        "DURABLE['CRONS']['every']: every: expected a timedelta or a number of seconds "
+        "from 1 s to 366 days, got 0.5"
+    ]
+    assert found["durable.E016"][0].startswith(
+        "DURABLE['CRONS']['task']: handler: cannot import 'myapp.nowhere.job'"
+    )
+
+
+def test_check_reports_every_problem_of_one_crons_entry(settings):
+    from durable.checks import check_crons
+
+    settings.DURABLE = {
+        "CRONS": {
+            "messy": {
+                "task": "myapp.nowhere.job",
+                "cron": "61 * * * *",
+                "tz": "Mars/Olympus",
+                "catch_up": "sometimes",
+                "timezone": "UTC",
+                "kwargs": {"when": {1, 2}},
+            },
+            "no-task": {"every": 0},
+        }
+    }
+    errors = [(e.id, e.msg) for e in check_crons()]
+    assert [i for i, _ in errors] == [
+        "durable.E015",
+        "durable.E010",
+        "durable.E011",
+        "durable.E012",
+        "durable.E018",
+        "durable.E016",
+        "durable.E015",
+        "durable.E017",
+    ]
+    assert all(m.startswith("DURABLE['CRONS']['messy']: ") for _, m in errors[:6])
+    assert all(m.startswith("DURABLE['CRONS']['no-task']: ") for _, m in errors[6:])
+    assert errors[0][1].endswith(
+        "unknown key(s) 'timezone'; allowed: "
+        + ", ".join(
+            sorted(
+                [
+                    "anchor",
+                    "atomic",
+                    "catch_up",
+                    "cron",
+                    "every",
+                    "grace",
+                    "kwargs",
+                    "overlap",
+                    "task",
+                    "tz",
+                ]
+            )
+        )
+    )
+    assert "kwargs['when']" in errors[4][1]
+    assert errors[6][1] == "DURABLE['CRONS']['no-task']: task: missing (the function's dotted path)"
+
+
+def test_check_names_the_decorated_function_in_every_message(settings):
+    from durable.checks import check_crons
+
+    settings.INSTALLED_APPS = [*settings.INSTALLED_APPS, "tests.integration.bad_crons_app"]
+    where = "@durable.cron on tests.integration.bad_crons_app.crons.nightly"
+    errors = [(e.id, e.msg) for e in check_crons()]
+    assert [i for i, _ in errors] == ["durable.E010", "durable.E011", "durable.E018"]
+    assert all(m.startswith(f"{where}: ") for _, m in errors)
+    assert errors[0][1] == (
+        f"{where}: cron: invalid cron expression '0 25 * * *': is not acceptable, out of range"
+    )
+    assert errors[1][1].startswith(f"{where}: tz: unknown time zone 'Mars/Olympus'")
+    assert errors[2][1].startswith(f"{where}: kwargs: ") and "'colour'" in errors[2][1]
 
 
 def test_check_reports_a_name_declared_twice(settings):

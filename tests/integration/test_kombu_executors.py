@@ -242,3 +242,20 @@ def test_a_redelivery_after_the_executor_died_fails_the_attempt_not_runs_it_agai
     assert row.state == "pending" and "AttemptsExhausted" in row.last_error
     assert "taken by an executor that died" in row.last_error
     assert keys() == [], "the handler did not run again"
+
+
+def test_give_up_in_an_executor_dead_letters_at_once(consumer, clock):
+    from tests.integration import give_up_support as h
+
+    declined = durable.schedule(h.declines, args=["k1"])  # atomic, raises GiveUp
+    matched = durable.schedule(h.gives_up_on, args=["k2", "KeyError"])  # give_up_on
+    for timer in (declined, matched):
+        claim_and_ship(timer, clock)
+    consumer.drain()
+    assert consumer.outcomes[FAILED] == 2 and consumer.outcomes[RETRY] == 0
+    first, second = (Timer.objects.get(pk=t.pk) for t in (declined, matched))
+    assert (first.state, first.attempts, first.max_attempts) == ("failed", 1, 5)
+    assert first.last_error == "GiveUp: card declined for k1 (see payments.py)"
+    assert (second.state, second.attempts) == ("failed", 1)
+    assert second.last_error.startswith("KeyError: ") and "/srv/" not in second.last_error
+    assert keys() == []  # the atomic handler's row rolled back

@@ -161,3 +161,12 @@ def test_the_worker_starts_on_good_settings_and_prints_warnings(clock, settings)
     err = StringIO()
     call_command("run_timer_shards", "--duration", "0", stdout=StringIO(), stderr=err)
     assert "durable.W001" in err.getvalue()
+
+
+def test_the_worker_says_when_it_started_and_stopped(clock):
+    out = StringIO()
+    call_command("run_timer_shards", "--duration", "0", "--node", "n1", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("durable worker n1 started: shards 0-"), lines
+    assert "handler threads" in lines[0] and "database 'default'" in lines[0]
+    assert lines[-1] == "durable worker n1 stopped"

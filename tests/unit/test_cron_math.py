@@ -107,18 +107,130 @@ def test_an_hourly_schedule_follows_elapsed_time_across_both_transitions():
 
 
 def test_every_quarter_of_the_two_oclock_hour_on_dst_days():
+    # The minute field starts with "*": a wildcard job in Vixie cron's sense, which
+    # follows the clock as it runs rather than the wall time it names.
     rec = CronRecurrence("*/15 2 * * *", "Europe/Paris")
-    # Spring: 02:00..02:45 do not exist; they collapse into one fire at 03:00.
-    assert take(rec, utc(2026, 3, 28, 12), 2) == [utc(2026, 3, 29, 1), utc(2026, 3, 30, 0)]
-    # Autumn: the hour repeats; each quarter fires once, in the first pass.
-    autumn = take(rec, utc(2026, 10, 24, 12), 5)
-    assert [local(ms, PARIS) for ms in autumn[:4]] == [
-        "10-25 02:00 CEST",
-        "10-25 02:15 CEST",
-        "10-25 02:30 CEST",
-        "10-25 02:45 CEST",
+    # Spring: 02:00..02:45 do not exist, so none of them fires that day.
+    assert [local(ms, PARIS) for ms in take(rec, utc(2026, 3, 28, 12), 2)] == [
+        "03-30 02:00 CEST",
+        "03-30 02:15 CEST",
     ]
-    assert local(autumn[4], PARIS) == "10-26 02:00 CET"
+    # Autumn: the hour repeats, and each quarter fires in both passes.
+    autumn = take(rec, utc(2026, 10, 24, 12), 9)
+    assert [local(ms, PARIS) for ms in autumn] == [
+        *(f"10-25 02:{m:02} CEST" for m in (0, 15, 30, 45)),
+        *(f"10-25 02:{m:02} CET" for m in (0, 15, 30, 45)),
+        "10-26 02:00 CET",
+    ]
+
+
+# Paris 2030: spring forward Sunday 31 March at 01:00 UTC (02:00 CET -> 03:00 CEST), fall
+# back Sunday 27 October at 01:00 UTC (03:00 CEST -> 02:00 CET).
+@pytest.mark.parametrize(
+    ("expression", "after", "expected"),
+    [
+        # Wildcards (minute or hour field starting with "*") follow the running clock.
+        (
+            "*/30 * * * *",
+            utc(2030, 3, 30, 23, 59),
+            ["03-31 01:00 CET", "03-31 01:30 CET", "03-31 03:00 CEST", "03-31 03:30 CEST"],
+        ),
+        (
+            "*/30 * * * *",
+            utc(2030, 10, 26, 23, 59),
+            [
+                "10-27 02:00 CEST",
+                "10-27 02:30 CEST",
+                "10-27 02:00 CET",
+                "10-27 02:30 CET",
+                "10-27 03:00 CET",
+            ],
+        ),
+        (
+            "0 */2 * * *",
+            utc(2030, 3, 30, 22, 59),
+            ["03-31 00:00 CET", "03-31 04:00 CEST", "03-31 06:00 CEST"],  # no 02:00 that day
+        ),
+        (
+            "0 */2 * * *",
+            utc(2030, 10, 26, 21, 59),
+            ["10-27 00:00 CEST", "10-27 02:00 CEST", "10-27 02:00 CET", "10-27 04:00 CET"],
+        ),
+        # A fixed time of day fires once a day: at the end of the gap, or at its first pass.
+        ("30 2 * * *", utc(2030, 3, 30, 12), ["03-31 03:00 CEST", "04-01 02:30 CEST"]),
+        ("30 2 * * *", utc(2030, 10, 26, 12), ["10-27 02:30 CEST", "10-28 02:30 CET"]),
+    ],
+)
+def test_vixie_dst_rules_for_wildcard_and_fixed_expressions(expression, after, expected):
+    rec = CronRecurrence(expression, "Europe/Paris")
+    fired = take(rec, after, len(expected))
+    assert [local(ms, PARIS) for ms in fired] == expected
+    # The same instants backwards: what catch-up decisions walk.
+    backward = []
+    for found in rec.iter_before(fired[-1]):
+        if found <= after:
+            break
+        backward.append(found)
+    assert backward[::-1] == fired
+
+
+def test_wildcard_elapsed_time_on_the_two_paris_dst_days_of_2030():
+    every_half_hour = CronRecurrence("*/30 * * * *", "Europe/Paris")
+    two_hourly = CronRecurrence("0 */2 * * *", "Europe/Paris")
+    short_day = (utc(2030, 3, 30, 23), utc(2030, 3, 31, 22) - 1)  # 23 hours
+    long_day = (utc(2030, 10, 26, 22), utc(2030, 10, 27, 23) - 1)  # 25 hours
+    assert every_half_hour.count(*short_day, 1000) == 46
+    assert every_half_hour.count(*long_day, 1000) == 50
+    assert two_hourly.count(*short_day, 1000) == 11  # 02:00 does not exist
+    assert two_hourly.count(*long_day, 1000) == 13  # 02:00 twice
+
+
+# -- day of month and day of week (Vixie cron's rule) --------------------------------
+
+
+def _days(expression: str, n: int) -> list[str]:
+    rec = CronRecurrence(expression, "UTC")
+    return [
+        datetime.fromtimestamp(ms / 1000, UTC).strftime("%a %m-%d %H:%M")
+        for ms in take(rec, utc(2030, 1, 1), n)
+    ]
+
+
+def test_a_stepped_day_of_month_and_a_weekday_must_both_match():
+    # "*/2" starts with "*": AND, as Vixie cron and cronie do. croniter's own default
+    # would OR them and fire on every odd day plus every Monday.
+    assert _days("0 12 */2 * 1", 4) == [
+        "Mon 01-07 12:00",
+        "Mon 01-21 12:00",
+        "Mon 02-11 12:00",
+        "Mon 02-25 12:00",
+    ]
+    assert not cron.day_or("0 12 */2 * 1")
+
+
+def test_two_restricted_day_fields_fire_on_either():
+    assert _days("0 12 1 * 1", 6) == [
+        "Tue 01-01 12:00",
+        "Mon 01-07 12:00",
+        "Mon 01-14 12:00",
+        "Mon 01-21 12:00",
+        "Mon 01-28 12:00",
+        "Fri 02-01 12:00",
+    ]
+    assert cron.day_or("0 12 1 * 1")
+
+
+def test_one_starred_day_field_leaves_the_other_alone():
+    assert _days("0 12 * * 1", 3) == ["Mon 01-07 12:00", "Mon 01-14 12:00", "Mon 01-21 12:00"]
+    assert _days("0 12 1,15 * *", 3) == ["Tue 01-01 12:00", "Tue 01-15 12:00", "Fri 02-01 12:00"]
+    assert not cron.day_or("0 12 * * 1") and not cron.day_or("0 12 1,15 * *")
+
+
+def test_an_and_of_days_that_never_meet_is_refused():
+    # The 30th of February on a Monday: never, whatever the weekday rule.
+    with pytest.raises(ValueError, match="never matches"):
+        cron.check_expression("0 0 30 2 *")
+    assert cron.check_expression("0 0 */30 2 mon") == "0 0 */30 2 mon"  # 1 Feb on a Monday
 
 
 def test_interval_keeps_a_fixed_utc_cadence_across_dst():
@@ -139,7 +251,16 @@ def test_interval_anchor_and_arithmetic():
         IntervalRecurrence(999)
 
 
-EXPRESSIONS = ["30 2 * * *", "0 * * * *", "*/20 1-3 * * *", "0 9 * * mon-fri", "15 3 L * *"]
+EXPRESSIONS = [
+    "30 2 * * *",
+    "0 * * * *",
+    "*/20 1-3 * * *",
+    "0 9 * * mon-fri",
+    "15 3 L * *",
+    "0 */2 * * *",
+    "0 12 */2 * 1",
+    "0 12 1 * 1",
+]
 ZONES = ["Europe/Paris", "America/New_York", "Australia/Lord_Howe", "UTC", "Asia/Kolkata"]
 YEAR_2026 = (utc(2026, 1, 1), utc(2027, 1, 1))
 

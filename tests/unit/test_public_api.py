@@ -5,6 +5,7 @@ import durable
 EXPECTED = {
     "__version__",
     "DurableError",
+    "GiveUp",
     "handler",
     "schedule",
     "schedule_many",

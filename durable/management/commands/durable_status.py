@@ -13,7 +13,8 @@ from durable.storage import status
 
 
 def collect(now_ms: int) -> dict[str, Any]:
-    """Gather the overview as plain data (also used by the admin overview page)."""
+    """Gather the overview as plain data (the admin's overview reads the same queries,
+    with its counts capped: :func:`durable.admin.cluster.overview_data`)."""
     conf = get_settings()
     db = conf.DATABASE
     pending = status.pending_by_shard(db)

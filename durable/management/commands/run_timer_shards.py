@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from durable.checks import run_worker_checks
 from durable.conf import get_settings
+from durable.metrics import MetricsPortInUse, WorkerMetrics
 from durable.worker.engine import Engine
 
 
@@ -80,12 +81,12 @@ class Command(BaseCommand):
             scope = parse_shards(options["shards"], conf.SHARDS)
         if options["threads"] < 1:
             raise CommandError("--threads must be >= 1")
-        engine = Engine(node=options["node"], scope=scope, threads=options["threads"])
+        metrics = WorkerMetrics()
         if options["metrics_port"] is not None:
-            engine.metrics.serve(options["metrics_port"], host=options["metrics_host"])
-            self.stdout.write(
-                f"metrics on http://{options['metrics_host']}:{options['metrics_port']}/metrics"
-            )
+            self.serve_metrics(metrics, options["metrics_port"], options["metrics_host"])
+        engine = Engine(
+            node=options["node"], scope=scope, threads=options["threads"], metrics=metrics
+        )
 
         def on_signal(signum: int, frame: Any) -> None:
             # The first signal stops cleanly: running handlers get SHUTDOWN_GRACE_S to
@@ -103,4 +104,30 @@ class Command(BaseCommand):
         # Full collections over it took 35-50 ms with 10,000 runs asleep, every few
         # seconds, and showed as the p99 of wake-up lateness (docs/benchmarks.md).
         gc.freeze()
+        shards = options["shards"] or f"0-{conf.SHARDS - 1}"
+        self.stdout.write(
+            f"durable worker {engine.node} started: shards {shards} of {conf.SHARDS}, "
+            f"{options['threads']} handler threads, database {conf.DATABASE!r} "
+            "(Ctrl-C stops cleanly)"
+        )
         engine.run(duration_s=options["duration"])
+        self.stdout.write(f"durable worker {engine.node} stopped")
+
+    def serve_metrics(self, metrics: WorkerMetrics, port: int, host: str) -> None:
+        """Serve ``/metrics`` before the worker starts; a port it cannot bind stops it
+        with a :class:`CommandError` that says why (not a traceback)."""
+        if not 1 <= port <= 65535:
+            raise CommandError(f"--metrics-port: {port} is not a port number (1..65535)")
+        try:
+            metrics.serve(port, host=host)
+        except MetricsPortInUse:
+            raise CommandError(
+                f"--metrics-port: port {port} is in use on {host} (is another worker "
+                "running on this node? give each its own port)"
+            ) from None
+        except OSError as exc:
+            raise CommandError(
+                f"--metrics-port/--metrics-host: cannot serve metrics on {host}:{port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        self.stdout.write(f"metrics on http://{host}:{port}/metrics")
