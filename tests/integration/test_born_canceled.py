@@ -13,10 +13,12 @@ import pytest
 from django.db import connections, transaction
 
 import durable
-from durable.models import Timer
+from durable.models import Timer, WorkflowRun
 from testproject.demo import handlers as h
+from tests.integration import workflow_support as support
 
 pytestmark = pytest.mark.django_db
+driver = support.driver  # fixture (clock: tests/integration/conftest.py)
 
 
 def state(timer: Timer) -> str:
@@ -139,3 +141,29 @@ def _wait_for_lock_waiter() -> None:
                 return
             threading.Event().wait(0.01)
     raise AssertionError("the second transaction never waited on the parent's row lock")
+
+
+# -- workflows: a cancelled run never gets a child ----------------------------------------
+
+
+def _cancel_run(run_id: str) -> str:
+    durable.cancel_workflow(run_id)
+    return "cancelled"
+
+
+@durable.workflow
+def _born_child(ctx):
+    return "ran"
+
+
+@durable.workflow
+def _cancels_then_spawns(ctx):
+    ctx.step(_cancel_run, ctx.run_id)  # cancelled while its replay is running
+    return ctx.child(_born_child)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancelled_run_starts_no_child(driver):
+    run = driver.settle(_cancels_then_spawns.start(), "canceled")
+    assert not WorkflowRun.objects.filter(parent=run).exists()
+    assert WorkflowRun.objects.count() == 1
