@@ -170,10 +170,11 @@ def _with_live_wakeups(db: str, shards: dict[str, int]) -> set[str]:
 def _delete_trees(db: str, trees: list[_Tree], cutoff: object) -> int:
     """Delete the runs each tree ``take``s, deepest first; return how many were deleted.
 
-    One transaction: the runs are locked (in id order, so two pruning workers cannot
-    deadlock) and checked again; a tree with a run retried or given a child since it
-    was read is left whole. ``retry``, ``send_signal`` and a replay's checkpoint all
-    lock the run row first, so they wait for this and then find the run gone or kept.
+    One transaction: the runs are locked (in id order, skipping rows locked elsewhere)
+    and checked again; a tree with a run locked elsewhere, retried or given a child
+    since it was read is left whole. ``retry``, ``send_signal`` and a replay's
+    checkpoint all lock the run row first, so they wait for this and then find the run
+    gone or kept.
     """
     ids = sorted(run_id for tree in trees for run_id in tree.take)
     known = {run_id for tree in trees for level in tree.levels for run_id in level}
@@ -183,8 +184,12 @@ def _delete_trees(db: str, trees: list[_Tree], cutoff: object) -> int:
             rows = WorkflowRun.objects.using(db).filter(
                 pk__in=chunk, state__in=FINISHED, finished_at__lt=cutoff
             )
-            if connections[db].features.has_select_for_update:
-                rows = rows.select_for_update().order_by("pk")
+            features = connections[db].features
+            if features.has_select_for_update:
+                # Skip, never wait: a run locked by another worker's pruning or by a
+                # retry leaves its tree for a later pass, and the loop goes on.
+                skip = features.has_select_for_update_skip_locked
+                rows = rows.select_for_update(skip_locked=skip).order_by("pk")
             locked.update(rows.values_list("id", flat=True))
         changed = _with_new_children(db, ids, known)
         # Each tree's list is deepest first, so in the concatenation every run comes

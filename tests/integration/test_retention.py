@@ -11,10 +11,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.db import connections, transaction
 from django.test.utils import override_settings
 
 import durable
@@ -258,3 +260,34 @@ def test_durable_status_reports_the_settings_and_rows_past_them(clock, settings)
     out = io.StringIO()
     call_command("durable_status", "--json", stdout=out)
     assert [r["past"] for r in json.loads(out.getvalue())["retention"]] == [0, 0, 0]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_run_locked_elsewhere_keeps_its_tree_without_waiting(clock):
+    """Pruning skips rows another transaction holds (a retry, another worker's pruning)."""
+    make_run(clock, "root", days=60)
+    make_run(clock, "child", days=60, parent_id="root")
+    make_run(clock, "other", days=60)
+    locked, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                list(WorkflowRun.objects.select_for_update().filter(pk="child"))
+                locked.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        cutoff = retention.cutoff_ms(clock.now_ms(), 30)
+        assert retention.prune_runs("default", cutoff) == 1  # "other"; no wait on "child"
+        assert run_ids() == {"root", "child"}
+    finally:
+        release.set()
+        thread.join(10)
+    assert prune(clock) == 2 and run_ids() == set()
