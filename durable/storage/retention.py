@@ -16,7 +16,7 @@ so a batch that stops mid-tree leaves a smaller tree that is still eligible.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -116,22 +116,18 @@ def _eligible_trees(db: str, roots: Sequence[str], cutoff: object) -> list[_Tree
     trees = {root: _Tree(root, [[root]]) for root in roots}
     root_of = {root: root for root in roots}
     blocked: set[str] = set()
-    shards: dict[str, int] = dict(
-        WorkflowRun.objects.using(db).filter(pk__in=roots).values_list("id", "shard")
-    )
     level = list(roots)
     while level:
         found: dict[str, list[str]] = {}
         nxt = []
         for chunk in _chunks(level):
             children = WorkflowRun.objects.using(db).filter(parent_id__in=chunk)
-            for pk, parent, state, finished, shard in children.values_list(
-                "id", "parent_id", "state", "finished_at", "shard"
+            for pk, parent, state, finished in children.values_list(
+                "id", "parent_id", "state", "finished_at"
             ):
                 if pk in root_of:  # parent links are acyclic by construction; be sure
                     continue
                 root = root_of[pk] = root_of[parent]
-                shards[pk] = shard
                 found.setdefault(root, []).append(pk)
                 nxt.append(pk)
                 if state not in FINISHED or finished is None or finished >= cutoff:
@@ -139,31 +135,35 @@ def _eligible_trees(db: str, roots: Sequence[str], cutoff: object) -> list[_Tree
         for root, ids in found.items():
             trees[root].levels.append(ids)
         level = nxt
-    blocked.update(root_of[run_id] for run_id in _with_live_wakeups(db, shards))
+    blocked.update(root_of[run_id] for run_id in _with_live_wakeups(db, root_of))
     return [tree for root, tree in trees.items() if root not in blocked]
 
 
-def _with_live_wakeups(db: str, shards: dict[str, int]) -> set[str]:
-    """Those of the runs (id → shard) with a pending or firing wake-up timer.
+def _with_live_wakeups(db: str, run_ids: Iterable[str]) -> set[str]:
+    """Those of ``run_ids`` with a pending or firing wake-up timer.
 
-    A run's wake-ups are on its shard; the shard narrows the pending index's range.
+    Found through the key: every wake-up of a run has a key ``wf:<run id>:...``
+    (:func:`durable.storage.workflows.wake_key`) and targets the run. A key prefix is an
+    index range (PostgreSQL: Django's ``varchar_pattern_ops`` index on the key; SQLite:
+    the unique index, binary collation), so the cost follows the runs' own timers, not
+    the number of pending timers.
     """
-    by_shard: dict[int, list[str]] = {}
-    for run_id, shard in shards.items():
-        by_shard.setdefault(shard, []).append(run_id)
+    vendor = connections[db].vendor
     live: set[str] = set()
-    for shard, ids in by_shard.items():
-        for chunk in _chunks(ids):
-            live.update(
-                Timer.objects.using(db)
-                .filter(
-                    shard=shard,
-                    state__in=(TimerState.PENDING, TimerState.FIRING),
-                    kind=TimerKind.WORKFLOW,
-                    target__in=chunk,
-                )
-                .values_list("target", flat=True)
+    for chunk in _chunks(sorted(run_ids), 100):
+        match = Q()
+        for run_id in chunk:
+            prefix = f"wf:{run_id}:"
+            if vendor == "sqlite":  # its LIKE ignores case and no index serves it
+                match |= Q(key__gte=prefix, key__lt=f"wf:{run_id};", target=run_id)
+            else:
+                match |= Q(key__startswith=prefix, target=run_id)
+        rows = Timer.objects.using(db).filter(match, kind=TimerKind.WORKFLOW)
+        live.update(
+            rows.filter(state__in=(TimerState.PENDING, TimerState.FIRING)).values_list(
+                "target", flat=True
             )
+        )
     return live
 
 
@@ -238,6 +238,6 @@ def past_retention(db: str, now_ms: int, days: float | None, what: str, cap: int
     return rows.values("pk")[:cap].count()
 
 
-def _chunks(items: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(items), _CHUNK):
-        yield items[start : start + _CHUNK]
+def _chunks(items: list[str], size: int = _CHUNK) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -23,6 +23,7 @@ import durable
 from durable.conf import find_problems, get_settings
 from durable.models import Timer, WorkflowRun, WorkflowSignal, WorkflowStep
 from durable.storage import retention
+from durable.storage import workflows as wf_store
 from durable.storage.leases import ms_to_dt
 from durable.worker import housekeeping
 from testproject.demo import handlers as h
@@ -181,10 +182,11 @@ def test_a_whole_old_tree_goes_children_first(clock):
 def test_a_pending_wake_up_keeps_a_finished_run(clock):
     make_run(clock, "woken", days=60)
     make_run(clock, "quiet", days=60)
-    durable.schedule(h.noop)  # a stranger timer, not a wake-up
-    wake = Timer.objects.create(
-        shard=0, bucket=0, fire_at_ms=clock.now_ms(), kind="workflow", target="woken"
-    )
+    durable.schedule(h.noop, key="wf:quiet:0")  # not a wake-up: another kind
+    now = clock.now_ms()
+    wf_store.ensure_wake("default", "woken", 0, wf_store.wake_key("woken", 3), now + DAY_MS, now)
+    wf_store.ensure_wake("default", "woken2", 0, wf_store.wake_key("woken2", 3), now, now)
+    [wake] = Timer.objects.filter(target="woken")
     assert prune(clock) == 1 and run_ids() == {"woken"}
     Timer.objects.filter(pk=wake.pk).update(state="fired", updated_at=ago(clock, 0))
     assert prune(clock) == 1 and run_ids() == set()
