@@ -23,11 +23,21 @@ from datetime import timedelta
 from django.db import connections, transaction
 from django.db.models import Exists, OuterRef, Q
 
-from durable.models import Timer, TimerKind, TimerState, WorkflowRun, WorkflowSignal, WorkflowStep
+from durable.models import (
+    Timer,
+    TimerKind,
+    TimerState,
+    WorkflowRun,
+    WorkflowSignal,
+    WorkflowState,
+    WorkflowStep,
+)
 from durable.storage.leases import ms_to_dt
 
 ACTIVE = WorkflowRun.ACTIVE_STATES
+# Spelled out: the partial index durable_wfrun_done_idx (migration 0010) names them too.
 FINISHED = ("completed", "failed", "canceled")
+assert {*FINISHED, *ACTIVE} == set(WorkflowState.values), "a new run state needs a side"
 _CHUNK = 500
 # Roots looked at per call at most, eligible or not: a page of roots whose trees must
 # wait (a run still going) costs a few queries, and the next pages are still reached.
