@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("durable", "0007_timer_claim_token"),
+        ("durable", "0009_signal_kind"),
     ]
 
     operations = [
