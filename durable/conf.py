@@ -69,7 +69,11 @@ class DurableSettings:
     BACKOFF_BASE_S: float = 1.0
     BACKOFF_MAX_S: float = 3600.0
     RETENTION_DAYS: float = 7.0
-    """Fired and cancelled rows are pruned after this many days."""
+    """Fired and cancelled timers (and so their keys) are kept this many days."""
+    FAILED_RETENTION_DAYS: float | None = 30.0
+    """Failed (dead-lettered) timers are kept this many days; None: forever."""
+    RUN_RETENTION_DAYS: float | None = 30.0
+    """Finished workflow runs, with steps and signals, are kept this many days; None: forever."""
     MAX_PAYLOAD_BYTES: int = 64 * 1024
     """Largest JSON payload (args, kwargs, context; a signal's payload) accepted by
     schedule(), a workflow start and send_signal()."""
@@ -214,6 +218,11 @@ class Rule:
         return self.check.requirement
 
 
+_DAYS = Number(0, 36_500)
+_DAYS_OR_NONE = Predicate(
+    lambda v: v is None or _DAYS(v), f"None (keep forever) or {_DAYS.requirement}"
+)
+
 RULES: dict[str, Rule] = {
     "DATABASE": Rule(DatabaseAlias(), id="durable.E002"),
     # Shard numbers live in smallint columns (Timer, WorkflowRun, ShardLease).
@@ -237,7 +246,9 @@ RULES: dict[str, Rule] = {
     "BACKOFF_BASE_S": Rule(Number(0, YEAR_S, above=True)),
     "BACKOFF_MAX_S": Rule(Number(0, YEAR_S, above=True)),
     # 0: pruned at the next pass; the cutoff must stay a representable datetime.
-    "RETENTION_DAYS": Rule(Number(0, 36_500)),
+    "RETENTION_DAYS": Rule(_DAYS),
+    "FAILED_RETENTION_DAYS": Rule(_DAYS_OR_NONE),
+    "RUN_RETENTION_DAYS": Rule(_DAYS_OR_NONE),
     "MAX_PAYLOAD_BYTES": Rule(Integer(1)),
     "MAX_RESULT_BYTES": Rule(Integer(1)),
     "MAX_STEPS_PER_RUN": Rule(Integer(1, 1_000_000)),

@@ -344,6 +344,12 @@ class WorkflowRun(models.Model):
             models.Index(fields=["name", "created_at"], name="durable_wfrun_name_idx"),
             models.Index(fields=["created_at"], name="durable_wfrun_created_idx"),
             models.Index(fields=["model_label", "object_pk"], name="durable_wfrun_object_idx"),
+            # Retention pruning: finished top-level runs (each with its tree), oldest first.
+            models.Index(
+                fields=["finished_at"],
+                name="durable_wfrun_done_idx",
+                condition=Q(state__in=["completed", "failed", "canceled"], parent__isnull=True),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -23,6 +23,7 @@ from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.exceptions import TimerError, UnknownHandler
 from durable.models import Timer, TimerKind
 from durable.scheduling import validation as v
+from durable.storage import parents
 from durable.storage import timers as store
 from durable.storage.bulk import paused_gc
 
@@ -53,7 +54,9 @@ def schedule(
 
     Written in the caller's transaction on ``DURABLE["DATABASE"]``. With ``key``, an
     existing timer with that key is returned unchanged and nothing is written, even if
-    it targets another handler. Bad input raises before any write, naming the argument.
+    it targets another handler; a key holds while its row exists (pruned rows free it:
+    ``RETENTION_DAYS``, ``FAILED_RETENTION_DAYS``). Under a cancelled ``parent`` the
+    timer is created cancelled. Bad input raises before any write, naming the argument.
     """
     options = {
         "args": args,
@@ -74,9 +77,11 @@ def schedule(
     planner.check_parents()
     db = conf.DATABASE
     with transaction.atomic(using=db, savepoint=False):
+        born = parents.cancel_if_parent_canceled(db, [timer])  # born cancelled: see there
         timer, created = store.insert_timer(db, timer)
         if created:
             store.announce(db, [timer], now_ms)
+            parents.follow_up_born_canceled(db, born, now_ms)
     return timer
 
 
@@ -98,8 +103,10 @@ def schedule_many(specs: Iterable[dict[str, Any]]) -> list[Timer]:
     with transaction.atomic(using=db, savepoint=False):
         existing = store.by_keys(db, keys) if keys else {}
         new = [t for t in planned if t.key is None or t.key not in existing]
+        born = parents.cancel_if_parent_canceled(db, new)  # born cancelled: see there
         inserted = iter(store.insert_many(db, new))
         store.announce(db, new, now_ms, per_shard=True)
+        parents.follow_up_born_canceled(db, born, now_ms)
     return [existing[t.key] if t.key in existing else next(inserted) for t in planned]
 
 

@@ -45,7 +45,8 @@ def schedule_celery(
     fires, the worker publishes a Celery protocol v2 JSON message to
     ``DURABLE["BROKER_URL"]`` on queue ``queue`` (Celery's default ``"celery"`` if None),
     with task id ``durable-<timer id>``. Cancel it with ``durable.cancel(timer)``. With
-    ``key``, an existing timer with that key is returned and nothing is written. A publish
+    ``key``, an existing timer with that key is returned and nothing is written (while
+    its row is kept: see ``RETENTION_DAYS``). A publish
     that fails is retried with ``backoff`` up to ``max_attempts`` (defaults: the
     ``DURABLE`` settings). Arguments must be JSON: bad input raises before any write.
     """

@@ -13,7 +13,9 @@ from typing import Any
 from django.db import connections
 from django.db.models import Count
 
+from durable.conf import DurableSettings
 from durable.models import ShardLease, Timer, TimerState, WorkerNode, WorkflowRun
+from durable.storage import retention as retention_store
 from durable.storage.leases import ms_to_dt
 
 
@@ -157,3 +159,36 @@ def orphaned_shards(db: str, shard_count: int) -> list[OrphanedShard]:
 def leases_beyond(db: str, shard_count: int, now_ms: int) -> list[ShardStatus]:
     """Lease rows of shards ``>= shard_count`` (left by a larger ``SHARDS``)."""
     return shards(db, now_ms, first=shard_count)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionStatus:
+    """One retention setting: what it prunes, after how many days (None: never), and how
+    many rows are past it now (counted up to ``cap``)."""
+
+    what: str
+    setting: str
+    days: float | None
+    past: int
+    cap: int
+
+
+def retention(
+    db: str, now_ms: int, conf: DurableSettings, cap: int = 1000
+) -> list[RetentionStatus]:
+    """The retention settings and the rows past each, each count stopping at ``cap``.
+
+    The counts go through the indexes pruning uses (finished timers by ``updated_at``,
+    finished top-level runs by ``finished_at``; failed timers are few).
+    """
+    kinds = (
+        ("fired/cancelled timers", "RETENTION_DAYS", "timers"),
+        ("failed timers", "FAILED_RETENTION_DAYS", "failed"),
+        ("finished runs", "RUN_RETENTION_DAYS", "runs"),
+    )
+    out = []
+    for label, key, what in kinds:
+        days = getattr(conf, key)
+        past = retention_store.past_retention(db, now_ms, days, what, cap=cap)
+        out.append(RetentionStatus(label, key, days, past, cap))
+    return out

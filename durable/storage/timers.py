@@ -19,7 +19,6 @@ from django.db import IntegrityError, transaction
 from django.db.models.base import ModelState
 from django.db.models.constants import OnConflict
 from django.db.models.signals import post_init, pre_init
-from django.utils import timezone
 
 from durable.conf import DurableSettings, get_settings
 from durable.core.sharding import bucket_of, shard_of_timer
@@ -29,6 +28,7 @@ from durable.core.sharding import bucket_of, shard_of_timer
 from durable.dispatch.registry import handlers
 from durable.models import Timer, TimerKind, TimerState
 from durable.storage.bulk import bulk_insert
+from durable.storage.leases import ms_to_dt
 from durable.storage.notify import notify_shards, notify_timers
 
 _PENDING = TimerState.PENDING.value
@@ -257,7 +257,7 @@ def announce(db: str, timers: Iterable[Timer], now_ms: int, *, per_shard: bool =
     if not conf.NOTIFY:
         return
     horizon = now_ms + (conf.HORIZON_BUCKETS << conf.BUCKET_SHIFT)
-    near = [t for t in timers if t.fire_at_ms < horizon]
+    near = [t for t in timers if t.fire_at_ms < horizon and t.state == _PENDING]
     if per_shard:
         notify_shards(db, {t.shard for t in near})
     else:
@@ -274,13 +274,13 @@ def cancel_cascade(db: str, timer_id: int, now_ms: int) -> bool:
     lock, so we wait for its outcome and then find it no longer pending.
     """
     with transaction.atomic(using=db, savepoint=False):
-        if not _set_canceled(db, [timer_id]):
+        if not _set_canceled(db, [timer_id], now_ms):
             return False
         done = _fetch_canceled(Timer.objects.using(db).filter(id=timer_id))
         seen, level = {timer_id}, [timer_id]
         while level:
             cancelled, others = _children(db, level)
-            _set_canceled(db, [row.id for row in cancelled])
+            _set_canceled(db, [row.id for row in cancelled], now_ms)
             done += cancelled
             level = [i for i in [row.id for row in cancelled] + others if i not in seen]
             seen.update(level)  # parent links are acyclic by construction; be sure anyway
@@ -349,15 +349,16 @@ def _policy(name: str) -> tuple[int, float, float]:
     )
 
 
-def _set_canceled(db: str, ids: list[int]) -> int:
-    # ``update()`` skips auto_now; stamp updated_at the way save() would, since
-    # retention pruning of cancelled rows goes by it.
+def _set_canceled(db: str, ids: list[int], now_ms: int) -> int:
+    # ``update()`` skips auto_now; stamp updated_at (with the caller's clock, as firing
+    # does) since retention pruning of cancelled rows goes by it.
     count = 0
+    when = ms_to_dt(now_ms)
     for chunk in _chunks(ids):
         count += (
             Timer.objects.using(db)
             .filter(id__in=chunk, state=_PENDING)
-            .update(state=TimerState.CANCELED, updated_at=timezone.now())
+            .update(state=TimerState.CANCELED, updated_at=when)
         )
     return count
 

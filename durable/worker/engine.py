@@ -132,6 +132,10 @@ class Engine:
         self._next_renew_ms = 0
         self._next_rebalance_ms = 0
         self._next_prune_ms = 0
+        self._pruning = threading.Lock()
+        self._housekeeping_lock = threading.Lock()
+        #: Pruning passes submitted to the pool and not finished yet (tests wait on it).
+        self.housekeeping_pending = 0
         self._next_offset_ms = 0
         self._started = False
         self._loop_thread = threading.get_ident()
@@ -244,7 +248,11 @@ class Engine:
         if found:
             fired += self._fire_due()
         if now >= self._next_prune_ms:
-            self._prune(now)
+            self._next_prune_ms = now + PRUNE_EVERY_MS
+            # Off the fire loop: a pass with a backlog of old runs can take a second.
+            with self._housekeeping_lock:
+                self.housekeeping_pending += 1
+            self.executor.submit(self._prune_in_background, now)
         if now >= self._next_sample_ms:
             self._sample(now)
         return fired
@@ -414,8 +422,21 @@ class Engine:
         housekeeping.measure_offset(self.clock, self.db)
 
     def _prune(self, now: int) -> None:
-        self._next_prune_ms = now + PRUNE_EVERY_MS
         housekeeping.prune(self.db, self.conf, now, self.node)
+
+    def _prune_in_background(self, now: int) -> None:
+        try:
+            if self._pruning.acquire(blocking=False):  # else the last pass still runs
+                try:
+                    self._prune(now)
+                except DatabaseError as exc:
+                    event(log, logging.WARNING, "prune.failed", node=self.node, error=exc)
+                finally:
+                    self._pruning.release()
+                    tidy_connections()
+        finally:
+            with self._housekeeping_lock:
+                self.housekeeping_pending -= 1
 
     def _on_database_error(self, exc: Exception, backoff: float) -> None:
         event(

@@ -13,6 +13,7 @@ from durable.conf import DurableSettings
 from durable.core.clock import Clock, SystemClock
 from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
+from durable.storage import retention
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
@@ -44,7 +45,14 @@ def measure_offset(clock: Clock, db: str) -> None:
 
 
 def prune(db: str, conf: DurableSettings, now_ms: int, node: str) -> int:
-    """Delete finished rows past the retention, in small batches (at most 10,000 a call)."""
+    """Delete rows past their retention, in small batches; return how many were deleted.
+
+    Fired and cancelled timers after ``RETENTION_DAYS`` (at most 10,000 a call), failed
+    ones after ``FAILED_RETENTION_DAYS`` (at most 1,000), finished workflow runs with
+    their steps and signals after ``RUN_RETENTION_DAYS`` (at most 2,000 runs); ``None``
+    keeps that kind forever. Each batch is its own short transaction; the engine runs this
+    on a pool thread, off the firing loop.
+    """
     cutoff = firing_store.retention_cutoff_ms(now_ms, conf.RETENTION_DAYS)
     total = 0
     for _ in range(10):
@@ -52,9 +60,22 @@ def prune(db: str, conf: DurableSettings, now_ms: int, node: str) -> int:
         total += deleted
         if deleted < 1000:
             break
+    if conf.FAILED_RETENTION_DAYS is not None:
+        cutoff = retention.cutoff_ms(now_ms, conf.FAILED_RETENTION_DAYS)
+        total += retention.prune_failed_timers(db, cutoff)
     if total:
         event(log, logging.INFO, "timers.pruned", rows=total, node=node)
-    return total
+    runs = 0
+    if conf.RUN_RETENTION_DAYS is not None:
+        cutoff = retention.cutoff_ms(now_ms, conf.RUN_RETENTION_DAYS)
+        for _ in range(4):
+            deleted = retention.prune_runs(db, cutoff)
+            runs += deleted
+            if deleted < 500:
+                break
+    if runs:
+        event(log, logging.INFO, "runs.pruned", runs=runs, node=node)
+    return total + runs
 
 
 def guard_session(connection: Any, conf: DurableSettings) -> None:

@@ -120,7 +120,8 @@ class WorkflowDef:
         """Start a run in the caller's transaction and return its ``WorkflowRun``.
 
         ``run_id`` makes the start idempotent: if a run with that id exists it is
-        returned unchanged and nothing is written.
+        returned unchanged and nothing is written. A finished run is kept (and its id
+        taken) for ``RUN_RETENTION_DAYS``; after that the id starts a new run.
         """
         if self.shape == METHOD:
             raise TypeError(

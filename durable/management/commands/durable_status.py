@@ -1,4 +1,4 @@
-"""``python manage.py durable_status``: shards, workers, lag, fire rate and failures."""
+"""``python manage.py durable_status``: shards, workers, lag, fire rate, failures, retention."""
 
 from __future__ import annotations
 
@@ -47,11 +47,15 @@ def collect(now_ms: int) -> dict[str, Any]:
                 for t in failed
             ],
         },
+        "retention": [
+            {"what": r.what, "setting": r.setting, "days": r.days, "past": r.past, "cap": r.cap}
+            for r in status.retention(db, now_ms, conf)
+        ],
     }
 
 
 class Command(BaseCommand):
-    help = "Show shard owners, lag, workers, recent fires and failed timers."
+    help = "Show shard owners, lag, workers, recent fires, failed timers and retention."
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -89,3 +93,15 @@ class Command(BaseCommand):
         out(f"failed timers (dead letter): {data['failed']['count']}")
         for t in data["failed"]["latest"]:
             out(f"  #{t['id']} {t['target']} attempts={t['attempts']}: {t['error']}")
+        parts = [
+            f"{r['what']} {_days(r['days'])} ({r['past']}{'+' if r['past'] >= r['cap'] else ''}"
+            " past)"
+            for r in data["retention"]
+        ]
+        out("retention: " + ", ".join(parts))
+
+
+def _days(days: float | None) -> str:
+    if days is None:
+        return "forever"
+    return f"{days:g} d"
