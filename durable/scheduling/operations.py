@@ -38,6 +38,7 @@ from durable.scheduling import validation
 from durable.scheduling.cron import Occurrence, schedule_function
 from durable.storage import schedules as schedule_store
 from durable.storage import timers as timer_store
+from durable.storage.parents import canceled_among
 
 __all__ = ["fire_now", "reschedule", "retry", "run_schedule_now"]
 
@@ -112,12 +113,21 @@ def _replace(
         )
         if old is None:
             return None
-        if old.kind in MOVABLE_KINDS:
+        # A replacement under a cancelled parent would be a pending child of a cancelled
+        # tree (born-cancelled rule, durable.storage.parents): refuse, naming the parent.
+        orphaned = old.parent_id is not None and bool(canceled_among(db, [old.parent_id]))
+        if old.kind in MOVABLE_KINDS and not orphaned:
             new = _swap(db, conf.BUCKET_SHIFT, old, fire_at_ms, now_ms, reset)
             log.info("timer.replaced old=%s new=%s fire_at_ms=%s", timer_id, new.pk, fire_at_ms)
             return new
     # Raised outside the block: an error inside a savepoint-less atomic block would doom
     # the caller's whole transaction, not just this call.
+    if orphaned:
+        raise TimerError(
+            f"timer {timer_id}: its parent {old.parent_id} is cancelled, so it cannot fire "
+            "again (a child of a cancelled parent is cancelled with it)",
+            timer=timer_id,
+        )
     hint = (
         "run its schedule now instead"
         if old.kind == TimerKind.CRON

@@ -35,12 +35,22 @@ def cancel_if_parent_canceled(db: str, timers: Sequence[Timer]) -> list[Timer]:
     it only to fire that parent. SQLite runs one writer at a time: a plain read is enough.
     """
     parent_ids = sorted({t.parent_id for t in timers if t.parent_id is not None})
-    if not parent_ids:
-        return []
+    cancelled = canceled_among(db, parent_ids)
+    born = [t for t in timers if t.parent_id in cancelled]
+    for timer in born:
+        timer.state = TimerState.CANCELED
+    return born
+
+
+def canceled_among(db: str, parent_ids: Sequence[int]) -> set[int]:
+    """Return those of ``parent_ids`` that are cancelled, their rows locked ``FOR SHARE``
+    on PostgreSQL to the end of the caller's transaction (see above for why)."""
     cancelled: set[int] = set()
+    if not parent_ids:
+        return cancelled
     conn = connections[db]
     for start in range(0, len(parent_ids), _CHUNK):
-        chunk = parent_ids[start : start + _CHUNK]
+        chunk = list(parent_ids[start : start + _CHUNK])
         if conn.vendor == "postgresql":
             # No condition on state: a row is locked (and waited for) whatever its state,
             # and the state read is the one current once the lock is ours.
@@ -56,10 +66,7 @@ def cancel_if_parent_canceled(db: str, timers: Sequence[Timer]) -> list[Timer]:
                 query = query.select_for_update()
             rows = list(query.values_list("id", "state"))
         cancelled.update(pk for pk, state in rows if state == TimerState.CANCELED)
-    born = [t for t in timers if t.parent_id in cancelled]
-    for timer in born:
-        timer.state = TimerState.CANCELED
-    return born
+    return cancelled
 
 
 def follow_up_born_canceled(db: str, born: Iterable[Timer], now_ms: int) -> None:

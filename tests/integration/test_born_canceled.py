@@ -167,3 +167,19 @@ def test_a_cancelled_run_starts_no_child(driver):
     run = driver.settle(_cancels_then_spawns.start(), "canceled")
     assert not WorkflowRun.objects.filter(parent=run).exists()
     assert WorkflowRun.objects.count() == 1
+
+
+def test_a_failed_child_of_a_cancelled_parent_cannot_be_retried(clock):
+    from datetime import timedelta
+
+    from durable.exceptions import TimerError
+    from durable.scheduling.operations import retry
+
+    parent = durable.schedule(h.record, args=["parent"], delay=timedelta(hours=1))
+    child = durable.schedule(h.record, args=["child"], parent=parent)
+    Timer.objects.filter(pk=child.pk).update(state="failed", last_error="RuntimeError: boom")
+    assert durable.cancel(parent) is True
+    with pytest.raises(TimerError, match=rf"its parent {parent.pk} is cancelled"):
+        retry(child)
+    assert state(child) == "failed"  # untouched: nothing pending under a cancelled parent
+    assert not Timer.objects.filter(parent_id=parent.pk, state="pending").exists()
