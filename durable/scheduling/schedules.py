@@ -37,6 +37,7 @@ from durable.scheduling.specs import (
     build_spec,
     row_spec,
 )
+from durable.scheduling.validation import check_text
 from durable.storage import schedules as store
 
 __all__ = ["create", "delete", "get", "pause", "resume", "update"]
@@ -190,7 +191,7 @@ def delete(name: str) -> bool:
     """
     db, _ = _context()
     with transaction.atomic(using=db, savepoint=False):
-        row = store.lock(db, name)
+        row = store.lock(db, _checked(name))
         if row is None:
             return False
         if row.next_ms is not None:
@@ -203,7 +204,7 @@ def delete(name: str) -> bool:
 def get(name: str) -> CronSchedule:
     """Return schedule ``name``'s row (``ScheduleError`` if there is none)."""
     db, _ = _context()
-    row = store.get(db, name)
+    row = store.get(db, _checked(name))
     if row is None:
         raise ScheduleError(f"no schedule named {name!r}", schedule=name)
     return row
@@ -253,8 +254,16 @@ def _insert(db: str, spec: ScheduleSpec, now: int, *, enabled: bool) -> CronSche
     return row
 
 
+def _checked(name: Any) -> str:
+    """``name`` as a schedule name to look up: a str without NUL or a lone surrogate
+    (the database's query would fail on either, with a less helpful error)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a schedule name (str), got {type(name).__name__}")
+    return check_text(name, "name")
+
+
 def _locked(db: str, name: str) -> CronSchedule:
-    row = store.lock(db, name)
+    row = store.lock(db, _checked(name))
     if row is None:
         raise ScheduleError(f"no schedule named {name!r}", schedule=name)
     return row

@@ -18,6 +18,7 @@ from durable.core.catchup import CATCH_UP_POLICIES, OVERLAP_POLICIES, Policy
 from durable.core.timeutil import ceil_ms, datetime_to_ms
 from durable.exceptions import ScheduleError
 from durable.scheduling.callables import check_kwargs, handler_path
+from durable.scheduling.validation import MAX_INSTANT, MAX_INSTANT_MS
 
 MAX_NAME_LENGTH = 200
 SETTINGS_KEYS = frozenset(
@@ -260,6 +261,13 @@ def _calendar(
         if not isinstance(anchor, datetime) or anchor.utcoffset() is None:
             found.add(
                 f"anchor: expected an aware datetime, got {anchor!r}", "durable.E017", "anchor"
+            )
+        elif datetime_to_ms(anchor) > MAX_INSTANT_MS:
+            found.add(
+                f"anchor: {anchor!r} is after {MAX_INSTANT.isoformat()}, the latest instant "
+                "durable accepts",
+                "durable.E017",
+                "anchor",
             )
         else:
             anchor_ms = datetime_to_ms(anchor)

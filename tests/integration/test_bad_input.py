@@ -284,3 +284,27 @@ def test_a_scheduled_signal_after_the_bound_is_refused():
     with pytest.raises(PayloadError, match=r"^payload: 70002 bytes of JSON"):
         durable.send_signal(run, "go", "x" * 70_000, delay=timedelta(hours=1))
     assert Timer.objects.exclude(kind="workflow").count() == 0
+
+
+@pytest.mark.parametrize("call", ["pause", "resume", "delete", "get", "update"])
+@pytest.mark.parametrize("name", ["nightly\x00", "night\ud800ly"])
+def test_schedule_lookups_refuse_nul_and_lone_surrogates(call, name):
+    from durable import schedules
+
+    function = getattr(schedules, call)
+    with pytest.raises(ValueError, match=r"^name: "):
+        function(name) if call != "update" else function(name, tz="UTC")
+    with pytest.raises(TypeError, match=r"^name: expected a schedule name"):
+        function(42) if call != "update" else function(42, tz="UTC")
+
+
+def test_an_interval_anchor_past_9999_is_refused():
+    from durable import schedules
+    from durable.exceptions import ScheduleError
+
+    far = datetime(9999, 12, 31, tzinfo=UTC)
+    with pytest.raises(ScheduleError, match=r"anchor: .* is after 9999-12-30"):
+        schedules.create(
+            "far-anchor", handler="testproject.demo.crons.record", every=60, anchor=far
+        )
+    assert not durable.models.CronSchedule.objects.filter(name="far-anchor").exists()
