@@ -2,17 +2,52 @@
 
 The engine sleeps here between wheel deadlines; a notification from a scheduling
 transaction ends the sleep early so a timer due in 50 ms is not held back by a 1 s nap.
+
+The connection is opened from ``DURABLE["LISTEN_DATABASE"]`` (default: ``DATABASE``):
+behind a pooler in transaction mode a LISTEN does not outlive its transaction, so the
+listen alias must reach PostgreSQL directly. Any role may NOTIFY on the channel, so what
+arrives is a hint, and what one wait can cost is bounded (:func:`sort_notices`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Container
 from typing import Any
 
 from django.db import connections
 
 from durable.storage.notify import CHANNEL, Notice, parse
+
+#: Most payloads read in one wait; the rest stay queued for the next waits.
+MAX_PAYLOADS_PER_WAIT = 64
+#: Most timer ids one wait puts into wheels; the shards of the rest are rescanned instead.
+MAX_TIMERS_PER_WAIT = 1_000
+
+
+def sort_notices(
+    notices: list[Notice], owned: Container[int], cap: int = MAX_TIMERS_PER_WAIT
+) -> tuple[set[int], list[Notice]]:
+    """Split one wait's notices into shards to rescan (once each) and timers to add.
+
+    Only ``owned`` shards count. A shard being rescanned needs none of its timer notices
+    (the rescan reads them), and past ``cap`` timer notices the shards of the others are
+    rescanned instead: a forged flood (any role can NOTIFY) costs at most one rescan per
+    owned shard and ``cap`` wheel entries per wait, whatever it holds.
+    """
+    rescans = {n.shard for n in notices if n.timer_id is None and n.shard in owned}
+    timers: list[Notice] = []
+    for notice in notices:
+        if notice.timer_id is None or notice.fire_at_ms is None:
+            continue
+        if notice.shard in rescans or notice.shard not in owned:
+            continue
+        if len(timers) >= cap:
+            rescans.add(notice.shard)
+            continue
+        timers.append(notice)
+    return rescans, [n for n in timers if n.shard not in rescans]
 
 
 class Listener:
@@ -43,8 +78,8 @@ class Listener:
         notices: list[Notice] = []
         for note in conn.notifies(timeout=max(timeout_s, 0.0), stop_after=1):
             notices.extend(parse(note.payload))
-        if notices:  # drain whatever else is already queued, without waiting
-            for note in conn.notifies(timeout=0.0):
+        if notices:  # drain what else is already queued (up to a bound), without waiting
+            for note in conn.notifies(timeout=0.0, stop_after=MAX_PAYLOADS_PER_WAIT):
                 notices.extend(parse(note.payload))
         return notices
 
