@@ -34,6 +34,12 @@ pytestmark = [
 ]
 
 
+@pytest.fixture
+def workers(routed_workers):
+    """Every test here runs twice: workers connected directly, then through PgBouncer."""
+    return routed_workers
+
+
 def open_transactions(worker: str) -> list[tuple[str, str]]:
     """``(state, query)`` of the worker's sessions that are inside a transaction."""
     with connection.cursor() as cursor:
