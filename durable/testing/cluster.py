@@ -102,7 +102,10 @@ def free_port(first: int = FIRST_PORT, tries: int = 100) -> int:
 class TemporaryCluster:
     """A private PostgreSQL server in a temporary directory; see the module docstring."""
 
-    def __init__(self, *, port: int | None = None, bindir: Path | None = None) -> None:
+    def __init__(
+        self, *, port: int | None = None, bindir: Path | None = None, options: str = ""
+    ) -> None:
+        """``options``: more server options for ``pg_ctl start -o`` (``-c name=value ...``)."""
         reason = unavailable_reason()
         if reason is not None:
             raise ClusterError(f"cannot run a throwaway cluster: {reason}")
@@ -114,6 +117,7 @@ class TemporaryCluster:
         user = pwd.getpwnam(OS_USER)
         os.chown(self.root, user.pw_uid, user.pw_gid)
         self._initialized = False
+        self.options = options
 
     def __repr__(self) -> str:
         return f"TemporaryCluster(port={self.port}, root={str(self.root)!r})"
@@ -140,7 +144,7 @@ class TemporaryCluster:
         # fsync off: the data are thrown away, and a clean (fast) shutdown still flushes.
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c fsync=off "
-            f"-c unix_socket_directories={self.root}"
+            f"-c unix_socket_directories={self.root} {self.options}"
         )
         log = str(self.logfile)
         self._run(
@@ -158,6 +162,27 @@ class TemporaryCluster:
         time.sleep(pause_s)
         self.start()
         return down, time.monotonic()
+
+    def start_standby_of(self, primary: TemporaryCluster, name: str) -> None:
+        """Become a streaming replica of ``primary`` (``pg_basebackup -R``) and start.
+
+        The replica connects as ``application_name`` ``name`` (its ``cluster_name``), the
+        name the primary's ``synchronous_standby_names`` can list.
+        """
+        if self._initialized:
+            raise ClusterError("a standby is made from a fresh TemporaryCluster")
+        self._run(
+            "pg_basebackup",
+            *("-D", str(self.data), "-h", "127.0.0.1", "-p", str(primary.port)),
+            *("-U", OS_USER, "-R", "-X", "stream", "--no-sync"),
+        )
+        self._initialized = True
+        self.options = f"{self.options} -c cluster_name={name}"
+        self.start()
+
+    def promote(self) -> None:
+        """Promote this standby to a primary and wait until it accepts writes."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
 
     @property
     def running(self) -> bool:
