@@ -174,7 +174,7 @@ class TemporaryCluster:
         self._run(
             "pg_basebackup",
             *("-D", str(self.data), "-h", "127.0.0.1", "-p", str(primary.port)),
-            *("-U", OS_USER, "-R", "-X", "stream", "--no-sync"),
+            *("-U", OS_USER, "-R", "-X", "stream", "--no-sync", "--checkpoint=fast"),
         )
         self._initialized = True
         self.options = f"{self.options} -c cluster_name={name}"
