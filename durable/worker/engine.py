@@ -400,9 +400,11 @@ class Engine:
             external.freed.wait(timeout)
             timeout = 0.0
         external.freed.clear()
-        rescans, timers = sort_notices(self.listener.wait(timeout), self.runners)
+        rescans, overflowed, timers = sort_notices(self.listener.wait(timeout), self.runners)
         for shard in sorted(rescans):  # one rescan per shard, however often it was asked
             self.runners[shard].rescan(self.clock.now_ms())
+        for shard in overflowed:  # rescanned in the next turn, after its fires
+            self.runners[shard].next_rescan_ms = 0
         for notice in timers:
             assert notice.timer_id is not None and notice.fire_at_ms is not None
             self.runners[notice.shard].add(notice.timer_id, notice.fire_at_ms)

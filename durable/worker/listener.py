@@ -20,23 +20,24 @@ from django.db import connections
 
 from durable.storage.notify import CHANNEL, Notice, parse
 
-#: Most payloads read in one wait; the rest stay queued for the next waits.
-MAX_PAYLOADS_PER_WAIT = 64
 #: Most timer ids one wait puts into wheels; the shards of the rest are rescanned instead.
-MAX_TIMERS_PER_WAIT = 1_000
+MAX_TIMERS_PER_WAIT = 5_000
 
 
 def sort_notices(
     notices: list[Notice], owned: Container[int], cap: int = MAX_TIMERS_PER_WAIT
-) -> tuple[set[int], list[Notice]]:
-    """Split one wait's notices into shards to rescan (once each) and timers to add.
+) -> tuple[set[int], set[int], list[Notice]]:
+    """Split one wait's notices: shards asked to rescan, shards overflowed, timers to add.
 
-    Only ``owned`` shards count. A shard being rescanned needs none of its timer notices
-    (the rescan reads them), and past ``cap`` timer notices the shards of the others are
-    rescanned instead: a forged flood (any role can NOTIFY) costs at most one rescan per
-    owned shard and ``cap`` wheel entries per wait, whatever it holds.
+    Only ``owned`` shards count; each shard appears once, however often it was named. A
+    shard asked to rescan needs none of its timer notices (the rescan reads them). Past
+    ``cap`` timer notices, the shards of the others are returned as overflowed: their ids
+    are dropped, and the engine rescans those shards in its next turn instead. A forged
+    flood (any role can NOTIFY) therefore costs at most one rescan per owned shard and
+    ``cap`` wheel entries per wait, whatever it holds.
     """
     rescans = {n.shard for n in notices if n.timer_id is None and n.shard in owned}
+    overflowed: set[int] = set()
     timers: list[Notice] = []
     for notice in notices:
         if notice.timer_id is None or notice.fire_at_ms is None:
@@ -44,10 +45,10 @@ def sort_notices(
         if notice.shard in rescans or notice.shard not in owned:
             continue
         if len(timers) >= cap:
-            rescans.add(notice.shard)
+            overflowed.add(notice.shard)
             continue
         timers.append(notice)
-    return rescans, [n for n in timers if n.shard not in rescans]
+    return rescans, overflowed - rescans, timers
 
 
 class Listener:
@@ -78,8 +79,11 @@ class Listener:
         notices: list[Notice] = []
         for note in conn.notifies(timeout=max(timeout_s, 0.0), stop_after=1):
             notices.extend(parse(note.payload))
-        if notices:  # drain what else is already queued (up to a bound), without waiting
-            for note in conn.notifies(timeout=0.0, stop_after=MAX_PAYLOADS_PER_WAIT):
+        if notices:  # drain whatever else is already queued, without waiting
+            # All of it: parsing is cheap, and leaving notices queued under a steady load
+            # made them later and later, until the rescan found their timers first.
+            # What they may cost is bounded by sort_notices.
+            for note in conn.notifies(timeout=0.0):
                 notices.extend(parse(note.payload))
         return notices
 
