@@ -229,6 +229,12 @@ def test_failover_to_a_synchronous_replica_loses_and_doubles_nothing(
         "unanswered_commits_that_fired": len(unknown & set(keys)),
         "steady_load_per_s": round(len(lines) / ran_s, 1),
     }
+    for name in ("w1", "w2"):  # each failed turn logs one line, then backs off
+        waits = [
+            line.split("retry_in_s=")[1].split()[0]
+            for line in pool.workers[name].events("database.unavailable")
+        ]
+        figures[f"{name}_backoffs_s"] = ",".join(waits)
     for name, value in figures.items():
         metric(record_property, f"failover_{name}", value)
     assert outage, "no timer came due during the outage: nothing was tested"
