@@ -7,7 +7,9 @@ Settings (:func:`check_settings`, rules in :mod:`durable.conf`): ``durable.E001`
 Schedules: ``E010``-``E019`` (:func:`check_crons`). With a database
 (``manage.py check --database default``, and always at worker start):
 ``E006`` orphaned shards, ``W001`` lease rows beyond ``SHARDS``, ``W002`` the shards
-could not be looked at. Every problem is reported, one message per key.
+could not be looked at. ``W003`` preparing is on for a pooled ``DATABASE``, ``W004``
+``LISTEN_DATABASE`` names another database (:func:`check_listen_database`). Every
+problem is reported, one message per key.
 """
 
 from __future__ import annotations
@@ -225,3 +227,49 @@ def check_imports(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMe
             where = f"DURABLE['IMPORTS'][{index}]"
             errors.append(checks.Error(f"{where}: no module named {name!r}", id="durable.E007"))
     return errors
+
+
+# durable.W003: preparing is on for a DATABASE that a LISTEN_DATABASE says is pooled;
+# durable.W004: LISTEN_DATABASE names another database than DATABASE.
+@checks.register(TAG)
+def check_listen_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check ``DURABLE["LISTEN_DATABASE"]`` against ``DATABASE`` (see docs: Deploying)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from durable.conf import get_settings
+
+    try:
+        conf = get_settings()
+    except ImproperlyConfigured:
+        return []  # reported by check_settings
+    if conf.LISTEN_DATABASE is None or conf.LISTEN_DATABASE == conf.DATABASE:
+        return []
+    main = settings.DATABASES[conf.DATABASE]
+    listen = settings.DATABASES[conf.LISTEN_DATABASE]
+    messages: list[checks.CheckMessage] = []
+    threshold = (main.get("OPTIONS") or {}).get("prepare_threshold")
+    if main.get("ENGINE", "").endswith("postgresql") and threshold is not None:
+        messages.append(
+            checks.Warning(
+                f"DATABASES[{conf.DATABASE!r}]['OPTIONS']['prepare_threshold'] is "
+                f"{threshold!r} while DURABLE['LISTEN_DATABASE'] ({conf.LISTEN_DATABASE!r}) "
+                "says that database is reached through a pooler",
+                hint="A pooler in transaction mode hands each transaction any server "
+                "connection: statements prepared on one are missing on the next (PgBouncer "
+                "before 1.21, or without max_prepared_statements). Remove prepare_threshold "
+                "unless the pooler carries prepared statements.",
+                id="durable.W003",
+            )
+        )
+    if main.get("NAME") != listen.get("NAME"):
+        messages.append(
+            checks.Warning(
+                f"DURABLE['LISTEN_DATABASE'] ({conf.LISTEN_DATABASE!r}) names database "
+                f"{listen.get('NAME')!r}, DURABLE['DATABASE'] ({conf.DATABASE!r}) names "
+                f"{main.get('NAME')!r}: notifications are sent in the latter",
+                hint="The listen alias must reach the same database, directly (not through "
+                "the pooler). Without the notifications every fire waits for the rescan.",
+                id="durable.W004",
+            )
+        )
+    return messages

@@ -33,6 +33,9 @@ class DurableSettings:
 
     DATABASE: str = "default"
     """Database alias holding durable's rows; ``ctx.atomic`` is atomic with this one only."""
+    LISTEN_DATABASE: str | None = None
+    """Alias the worker LISTENs through (None: ``DATABASE``). Behind a transaction-mode
+    pooler, an alias connecting to the same database directly: LISTEN needs a session."""
     SHARDS: int = 64
     """Number of shards; fixed once timers exist."""
     BUCKET_SHIFT: int = 16
@@ -187,13 +190,18 @@ class Predicate:
 class DatabaseAlias:
     """An alias of ``settings.DATABASES`` (read when checking, so overrides count)."""
 
+    optional: bool = False  # True: None is accepted too
+
     def __call__(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
         return isinstance(value, str) and value in settings.DATABASES
 
     @property
     def requirement(self) -> str:
         aliases = ", ".join(repr(a) for a in settings.DATABASES)
-        return f"a database alias in settings.DATABASES ({aliases})"
+        either = "None or " if self.optional else ""
+        return f"{either}a database alias in settings.DATABASES ({aliases})"
 
 
 class Check(Protocol):
@@ -225,6 +233,7 @@ _DAYS_OR_NONE = Predicate(
 
 RULES: dict[str, Rule] = {
     "DATABASE": Rule(DatabaseAlias(), id="durable.E002"),
+    "LISTEN_DATABASE": Rule(DatabaseAlias(optional=True), id="durable.E002"),
     # Shard numbers live in smallint columns (Timer, WorkflowRun, ShardLease).
     "SHARDS": Rule(Integer(1, 32_767)),
     "BUCKET_SHIFT": Rule(Integer(8, 24)),

@@ -4,6 +4,9 @@ Configured only through environment variables (django-environ), so the same code
 the SQLite demo, the test suites and the docker-compose cluster:
 
 - ``DATABASE_URL``: defaults to a SQLite file beside ``manage.py``.
+- ``DURABLE_LISTEN_DATABASE_URL``: set when ``DATABASE_URL`` goes through a pooler in
+  transaction mode (PgBouncer): the same database reached directly, for the worker's
+  LISTEN (alias ``"listen"``, ``DURABLE["LISTEN_DATABASE"]``); preparing stays off.
 - ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
   ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
 - ``DURABLE_IMPORTS``: comma-separated modules the worker imports at start-up (handlers
@@ -80,6 +83,15 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # after the main file so that runs with different DATABASE_URLs never collide.
     _main = Path(DATABASES["default"]["NAME"])
     DATABASES["default"]["TEST"] = {"NAME": str(_main.with_name(f"test_{_main.name}"))}
+elif env.str("DURABLE_LISTEN_DATABASE_URL", default=""):
+    # Behind PgBouncer in transaction mode: no protocol-level prepared statements (1.18
+    # cannot carry them across transactions), no server-side cursors (they live in a
+    # session), and LISTEN on a direct connection.
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    DATABASES["listen"] = env.db("DURABLE_LISTEN_DATABASE_URL")
+    # A test run under this env must not create a second test database for the alias
+    # (the acceptance tests hand their workers both URLs of the test database instead).
+    DATABASES["listen"]["TEST"] = {"MIRROR": "default"}
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Let psycopg prepare the worker's hot statements (durable.storage.statements):
     # Django turns preparing off unless asked, for the sake of connection poolers in
@@ -95,6 +107,7 @@ DURABLE = {
     "BROKER_URL": env.str("DURABLE_BROKER_URL", default="memory://"),
     "DISPATCH": env.str("DURABLE_DISPATCH", default="inline"),
     "ASYNC_COMMIT": env.bool("DURABLE_ASYNC_COMMIT", default=False),
+    "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None,
     "SHUTDOWN_GRACE_S": env.float("DURABLE_SHUTDOWN_GRACE_S", default=30.0),
     # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
     # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers

@@ -48,7 +48,7 @@ from durable.worker.batches import BatchOutcome, pack
 from durable.worker.external import HandlerPool, tidy_connections
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
-from durable.worker.listener import Listener
+from durable.worker.listener import Listener, sort_notices
 from durable.worker.logs import event
 from durable.worker.outcomes import Readd
 from durable.worker.runner import ShardRunner
@@ -111,7 +111,8 @@ class Engine:
             scope=scope if scope is not None else range(self.conf.SHARDS),
             ttl_s=self.conf.LEASE_TTL_S,
         )
-        self.listener = Listener(self.db, self.stop_event)
+        # Behind a transaction-mode pooler, LISTEN needs a direct session (LISTEN_DATABASE).
+        self.listener = Listener(self.conf.LISTEN_DATABASE or self.db, self.stop_event)
         # DISPATCH = "kombu" on memory:// reaches no other process: execute in this one.
         self.embedded: EmbeddedExecutor | None = None
         if self.conf.DISPATCH == "kombu" and self.conf.BROKER_URL.startswith("memory://"):
@@ -219,6 +220,7 @@ class Engine:
             event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
         self.listener.close()
         connection_created.disconnect(self._guard_connection)
+        housekeeping.unguard_session(connections[self.db])
         event(log, logging.INFO, "worker.stopped", node=self.node)
 
     # -- one turn ------------------------------------------------------------------------
@@ -398,14 +400,14 @@ class Engine:
             external.freed.wait(timeout)
             timeout = 0.0
         external.freed.clear()
-        for notice in self.listener.wait(timeout):
-            runner = self.runners.get(notice.shard)
-            if runner is None:
-                continue
-            if notice.timer_id is None:
-                runner.rescan(self.clock.now_ms())
-            elif notice.fire_at_ms is not None:
-                runner.add(notice.timer_id, notice.fire_at_ms)
+        rescans, overflowed, timers = sort_notices(self.listener.wait(timeout), self.runners)
+        for shard in sorted(rescans):  # one rescan per shard, however often it was asked
+            self.runners[shard].rescan(self.clock.now_ms())
+        for shard in overflowed:  # rescanned in the next turn, after its fires
+            self.runners[shard].next_rescan_ms = 0
+        for notice in timers:
+            assert notice.timer_id is not None and notice.fire_at_ms is not None
+            self.runners[notice.shard].add(notice.timer_id, notice.fire_at_ms)
 
     def _drain_inbox(self) -> None:
         while True:

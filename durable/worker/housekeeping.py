@@ -85,12 +85,41 @@ def guard_session(connection: Any, conf: DurableSettings) -> None:
     lock; other workers skip locked rows, so without this the shard would wait for the
     frozen worker. Atomic handlers must therefore stay short; long work goes to
     ``atomic=False`` handlers, which run outside the batch transaction.
+
+    The timeout is set for each transaction (``set_config(..., true)``, as ``SET LOCAL``)
+    as its first statement, never for the session: behind a pooler in transaction mode the
+    session is a server connection shared with other clients, which a session-level
+    setting would leak to, while the loop's next transaction may run on a server
+    connection that never got it. Per transaction, the guard holds on any connection and
+    ends with the transaction. It costs one round trip per transaction of the loop.
     """
     if connection.vendor != "postgresql":
         return
-    timeout_ms = max(5_000, int(conf.LEASE_TTL_S * 2000))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-            [str(timeout_ms)],
+    if not any(isinstance(w, IdleGuard) for w in connection.execute_wrappers):
+        connection.execute_wrappers.append(IdleGuard(max(5_000, int(conf.LEASE_TTL_S * 2000))))
+
+
+def unguard_session(connection: Any) -> None:
+    """Remove :func:`guard_session`'s guard from ``connection`` (when the engine stops)."""
+    connection.execute_wrappers[:] = [
+        w for w in connection.execute_wrappers if not isinstance(w, IdleGuard)
+    ]
+
+
+class IdleGuard:
+    """A Django execute wrapper: the first statement of each transaction sets the timeout."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        self.sql = (
+            f"SELECT set_config('idle_in_transaction_session_timeout', '{int(timeout_ms)}', true)"
         )
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        connection = context["connection"]
+        raw = connection.connection
+        # Outside autocommit and with no transaction open on the server (status IDLE, 0
+        # in psycopg 2 and 3): this statement would begin one, so set the timeout first.
+        if not connection.get_autocommit() and raw.info.transaction_status == 0:
+            with connection.wrap_database_errors:
+                context["cursor"].cursor.execute(self.sql)
+        return execute(sql, params, many, context)

@@ -25,6 +25,12 @@ from tests.acceptance.helpers import (
 pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.fixture
+def workers(routed_workers):
+    """Every test here runs twice: workers connected directly, then through PgBouncer."""
+    return routed_workers
+
+
 def at(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 

@@ -34,6 +34,12 @@ pytestmark = [
 ]
 
 
+@pytest.fixture
+def workers(routed_workers):
+    """Every test here runs twice: workers connected directly, then through PgBouncer."""
+    return routed_workers
+
+
 def open_transactions(worker: str) -> list[tuple[str, str]]:
     """``(state, query)`` of the worker's sessions that are inside a transaction."""
     with connection.cursor() as cursor:
@@ -95,7 +101,8 @@ def test_frozen_worker_commits_no_fire_after_takeover(workers, record_property):
     start_two_workers(workers)
     # One schedule() per timer: each NOTIFY carries the id, so a's wheel holds them all
     # before it freezes, including the ones due while it is frozen and after it resumes.
-    count, step_ms = 400, 25
+    # 16 s of timers: the takeover alone may take LEASE_TTL_S after the freeze.
+    count, step_ms = 400, 40
     first_due = now_ms() + 1_500
     with transaction.atomic():
         for i in range(count):

@@ -35,6 +35,13 @@ from tests.acceptance.helpers import (
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
 
+
+@pytest.fixture
+def workers(routed_workers):
+    """Every test here runs twice: workers connected directly, then through PgBouncer."""
+    return routed_workers
+
+
 #: Beyond the rescan interval: one worker turn plus the rescan queries of 64 shards on a
 #: busy two-core machine (685 ms of lateness seen at a load average of 8).
 RESCAN_SLACK_S = 0.75

@@ -40,6 +40,8 @@ BAD = [
     ("BROKER_URL", 5, "durable.E003"),
     ("DATABASE", "nope", "durable.E002"),
     ("DATABASE", 0, "durable.E002"),
+    ("LISTEN_DATABASE", "nope", "durable.E002"),
+    ("LISTEN_DATABASE", 0, "durable.E002"),
     ("SHARDS", 0, "durable.E003"),
     ("SHARDS", 40_000, "durable.E003"),
     ("SHARDS", True, "durable.E003"),
@@ -221,9 +223,57 @@ def test_the_reference_documents_each_rule_as_checked():
     for key, rule in RULES.items():
         row = next((line for line in text.splitlines() if line.startswith(f"| `{key}`")), None)
         assert row is not None, f"{key} has no row in {DOCS.name}"
-        allowed = rule.requirement.split(" (")[0] if key == "DATABASE" else rule.requirement
+        allowed = rule.requirement.split(" (")[0] if key.endswith("DATABASE") else rule.requirement
         assert allowed in row, f"{key}: the docs must say {allowed!r}"
     for rel in RELATIONS:
         assert f"`{rel.first}` {rel.requirement} `{rel.second}`" in text
-    for check_id in ("E001", "E002", "E003", "E004", "E005", "E006", "W001", "W002"):
+    for check_id in (
+        "E001",
+        "E002",
+        "E003",
+        "E004",
+        "E005",
+        "E006",
+        "W001",
+        "W002",
+        "W003",
+        "W004",
+    ):
         assert f"`durable.{check_id}`" in text
+
+
+def _pooled(monkeypatch, prepare_threshold, listen_name):
+    """DATABASES as behind a pooler: ``default`` pooled, ``listen`` direct."""
+    from django.conf import settings
+
+    main = {**settings.DATABASES["default"], "ENGINE": "django.db.backends.postgresql"}
+    main["OPTIONS"] = {} if prepare_threshold is None else {"prepare_threshold": 5}
+    listen = {**main, "NAME": listen_name or main["NAME"], "OPTIONS": {}}
+    # Not override_settings(DATABASES=...), which warns; the live connection is left alone.
+    monkeypatch.setitem(settings.DATABASES, "default", main)
+    monkeypatch.setitem(settings.DATABASES, "listen", listen)
+
+
+def test_listen_database_checks_preparing_and_the_database_name(monkeypatch):
+    from durable.checks import check_listen_database
+
+    durable = {"LISTEN_DATABASE": "listen"}
+    _pooled(monkeypatch, None, None)
+    with override_settings(DURABLE=durable):
+        assert check_listen_database() == []
+    _pooled(monkeypatch, 5, None)
+    with override_settings(DURABLE=durable):
+        messages = check_listen_database()
+    assert _ids(messages) == ["durable.W003"]
+    assert "prepare_threshold" in messages[0].msg and "'listen'" in messages[0].msg
+    _pooled(monkeypatch, None, "elsewhere")
+    with override_settings(DURABLE=durable):
+        messages = check_listen_database()
+    assert _ids(messages) == ["durable.W004"]
+    assert "'elsewhere'" in messages[0].msg
+    # Unset (the default), or the same alias: nothing to compare.
+    _pooled(monkeypatch, 5, "elsewhere")
+    with override_settings(DURABLE={}):
+        assert check_listen_database() == []
+    with override_settings(DURABLE={"LISTEN_DATABASE": "default"}):
+        assert check_listen_database() == []

@@ -324,3 +324,27 @@ def test_pack_cuts_batches_across_shards_and_splits_big_shards():
         [(1, [4, 5, 6])],
         [(1, [7]), (0, [8])],
     ]
+
+
+@pytest.mark.postgres
+def test_the_idle_guard_is_set_per_transaction_never_for_the_session(engine):
+    """The loop's transactions carry the frozen-worker timeout; its session does not.
+
+    Behind a pooler the session is a server connection other clients share (see
+    tests/acceptance/test_pgbouncer.py); per transaction the guard cannot leak.
+    """
+
+    def timeout() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW idle_in_transaction_session_timeout")
+            return cursor.fetchone()[0]
+
+    assert timeout() == "0"  # autocommit: no transaction, nothing set
+    with transaction.atomic():
+        assert timeout() == "20s"  # 2 x LEASE_TTL_S, set by the transaction's first statement
+        with transaction.atomic():  # a savepoint: set once per transaction
+            assert timeout() == "20s"
+    assert timeout() == "0"
+    engine.shutdown(wait_s=0)
+    with transaction.atomic():
+        assert timeout() == "0"  # the guard leaves with the engine

@@ -1,0 +1,196 @@
+"""Benchmark: lateness at 2,000 fires/s with the worker direct, then behind PgBouncer.
+
+    python bench/pgbouncer.py                 # 20 s at 2,000/s in each topology
+    python bench/pgbouncer.py --seconds 10    # shorter
+    python bench/pgbouncer.py --markdown out.md
+    python bench/pgbouncer.py --producers 2  # fewer scheduling processes
+
+The table gives the rate actually reached: on a busy machine the producers may fall
+short of 2,000/s.
+
+Each run: a real ``manage.py run_timer_shards`` worker and ``--producers`` processes (4)
+that together schedule 2,000 timers a second with ``durable.schedule()``, in one
+transaction per 10 ms each, every timer due 500 ms after its commit, so every timer is
+announced by its own NOTIFY (the rescan, every 2 s, would show as lateness up to 2 s).
+The handler (``bench.peers.durable_side.write``) inserts a row stamped with the wall
+clock when it starts; lateness = that stamp - the due time. "pgbouncer": worker and
+producers connect
+through a PgBouncer 1.18 in transaction mode (started here, pool of 20, as the
+``postgres`` OS user) and the worker LISTENs directly (``DURABLE_LISTEN_DATABASE_URL``,
+``DURABLE["LISTEN_DATABASE"]``); "direct": both connect to PostgreSQL. Database
+``durable_pgb_bench`` on the server at 127.0.0.1:5432 (created and migrated if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import REPO, Lateness, connect, ratio, wait_until, wall_ms
+
+DIRECT_URL = "postgres://durable:durable@127.0.0.1:5432/durable_pgb_bench"
+TICK_S = 0.01
+LEAD_MS = 500
+
+
+def produce(seconds: float, rate: int) -> None:
+    """Producer process: ``rate`` timers a second for ``seconds``, one NOTIFY each."""
+    import django
+
+    django.setup()
+    from django.db import transaction
+
+    import durable
+    from bench.peers.durable_side import WRITE, to_dt
+
+    per_tick = max(1, round(rate * TICK_S))
+    ticks = int(seconds / TICK_S)
+    start = time.monotonic()
+    ref = 0
+    for tick in range(ticks):
+        lag = start + tick * TICK_S - time.monotonic()
+        if lag > 0:
+            time.sleep(lag)
+        with transaction.atomic():
+            due = to_dt(wall_ms() + LEAD_MS)
+            for _ in range(per_tick):
+                durable.schedule(WRITE, args=[ref], at=due)
+                ref += 1
+    print(ref, round(time.monotonic() - start, 2), flush=True)
+
+
+def prepare_database() -> None:
+    """Create and migrate the benchmark database if needed; the effect table too."""
+    with connect(DIRECT_URL.rsplit("/", 1)[0] + "/postgres") as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = 'durable_pgb_bench'"
+        ).fetchone()
+        if not exists:
+            conn.execute("CREATE DATABASE durable_pgb_bench")
+    env = {
+        **os.environ,
+        "DATABASE_URL": DIRECT_URL,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+        cwd=REPO,
+        env=env,
+        check=True,
+    )
+
+
+def reset(url: str) -> None:
+    """Empty timers, nodes and effects; free every lease."""
+    from bench.peers.durable_side import EFFECT_DDL
+
+    with connect(url) as conn:
+        conn.execute(EFFECT_DDL)
+        conn.execute("TRUNCATE durable_timer, durable_workernode, bench_effect CASCADE")
+        conn.execute("UPDATE durable_shardlease SET owner = '', expires_at = NULL, cursor_ms = 0")
+        conn.execute("VACUUM ANALYZE durable_timer")
+
+
+def run(
+    name: str, url: str, env: dict[str, str], seconds: float, rate: int, processes: int
+) -> tuple[Lateness, float]:
+    """One topology: a worker, the producer, then every fire's lateness."""
+    from bench._worker_proc import WorkerProcess
+
+    reset(DIRECT_URL)
+    worker = WorkerProcess(url, f"pgb-{name}", **env)
+    try:
+        worker.wait_owning(64)
+        time.sleep(2.0)  # let it load every shard's buckets
+        # Several producer processes: one Python process schedules only a few hundred
+        # timers a second with a commit (and a NOTIFY) per 20 on a shared 2-core box.
+        env = {
+            **os.environ,
+            "DATABASE_URL": url,
+            "DJANGO_SETTINGS_MODULE": "testproject.settings",
+            "DJANGO_DEBUG": "false",
+            **env,
+        }
+        started = time.monotonic()
+        producers = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--produce", str(seconds), str(rate // processes)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(processes)
+        ]
+        outputs = [p.communicate()[0] for p in producers]
+        assert all(p.returncode == 0 for p in producers), outputs
+        took = time.monotonic() - started
+        total = sum(int(out.split()[0]) for out in outputs)
+        with connect(DIRECT_URL) as conn:
+
+            def count() -> int:
+                return int(conn.execute("SELECT count(*) FROM bench_effect").fetchone()[0])
+
+            wait_until(lambda: count() >= total, timeout_s=60, every_s=0.2)
+            rows = conn.execute("SELECT fired_ms - due_ms FROM bench_effect").fetchall()
+    finally:
+        worker.stop()
+    lateness = Lateness.of([float(r[0]) for r in rows])
+    late = sum(1 for (r,) in rows if r > 1_000)
+    print(
+        f"{name:10} {lateness} of {total:,} scheduled; {late} later than 1 s "
+        f"in {took:.1f} s: {total / took:,.0f} scheduled/s by {processes} producers",
+        flush=True,
+    )
+    return lateness, total / took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rate", type=int, default=2_000)
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--producers", type=int, default=4, help="producer processes")
+    parser.add_argument("--produce", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.produce:
+        produce(float(args.produce[0]), int(args.produce[1]))
+        return
+    from durable.testing.cluster import TemporaryPgBouncer
+
+    prepare_database()
+    bouncer = TemporaryPgBouncer(users={"durable": "durable"}, pool_size=20)
+    bouncer.start()
+    common = (args.seconds, args.rate, args.producers)
+    try:
+        pooled = bouncer.url("durable_pgb_bench", "durable", "durable")
+        direct, direct_rate = run("direct", DIRECT_URL, {}, *common)
+        listen = {"DURABLE_LISTEN_DATABASE_URL": DIRECT_URL}
+        behind, behind_rate = run("pgbouncer", pooled, listen, *common)
+    finally:
+        bouncer.destroy()
+    verdict = "hit" if behind.p99 <= 2 * direct.p99 else "missed"
+    lines = [
+        "| topology | scheduled and fired per s | lateness p50 / p99 / max (ms) | fires |",
+        "|---|---|---|---|",
+        f"| direct | {direct_rate:,.0f} | {direct.p50:.1f} / {direct.p99:.1f} / "
+        f"{direct.max:.1f} | {direct.n:,} |",
+        f"| PgBouncer 1.18, transaction mode | {behind_rate:,.0f} | {behind.p50:.1f} / "
+        f"{behind.p99:.1f} / {behind.max:.1f} | {behind.n:,} |",
+        "",
+        f"p99 through PgBouncer / direct: {ratio(behind.p99, direct.p99)} "
+        f"(target: within 2x, {verdict}; asked for {args.rate:,}/s)",
+    ]
+    print("\n".join(lines))
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
