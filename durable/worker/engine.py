@@ -40,26 +40,21 @@ from durable.dispatch.executors import EmbeddedExecutor
 from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
-from durable.storage import claims
 from durable.storage import leases as lease_store
-from durable.storage import status as status_store
 from durable.worker import housekeeping
 from durable.worker.batches import BatchOutcome, pack
-from durable.worker.external import HandlerPool, tidy_connections
+from durable.worker.chores import Chores
+from durable.worker.external import HandlerPool
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener, sort_notices
 from durable.worker.logs import event
 from durable.worker.outcomes import Readd
-from durable.worker.runner import ShardRunner
+from durable.worker.runner import ShardRunner, load_acquired
 
 log = logging.getLogger("durable.worker")
 
 MAX_SLEEP_S = 1.0
-PRUNE_EVERY_MS = 60_000
-OFFSET_EVERY_MS = 60_000
-SAMPLE_EVERY_MS = 15_000
-SAMPLE_DB_EVERY_MS = 60_000
 
 
 @dataclass(slots=True)
@@ -125,19 +120,20 @@ class Engine:
             )
         self.runners: dict[int, ShardRunner] = {}
         self.stats = Stats()
-        self._next_sample_ms = 0
-        self._next_db_sample_ms = 0
+        self.chores = Chores(
+            db=self.db,
+            conf=self.conf,
+            node=self.node,
+            clock=self.clock,
+            pool=self.executor,
+            metrics=self.metrics,
+            runners=lambda: self.runners,
+        )
         # Renewal may also run between batches of a long turn; rebalancing (taking and
         # giving up shards) only at the start of a turn. Separate deadlines, so busy
         # firing, which renews often, never starves rebalancing.
         self._next_renew_ms = 0
         self._next_rebalance_ms = 0
-        self._next_prune_ms = 0
-        self._pruning = threading.Lock()
-        self._housekeeping_lock = threading.Lock()
-        #: Pruning passes submitted to the pool and not finished yet (tests wait on it).
-        self.housekeeping_pending = 0
-        self._next_offset_ms = 0
         self._started = False
         self._loop_thread = threading.get_ident()
 
@@ -148,7 +144,7 @@ class Engine:
         # Before anything fires: at fire time names are only looked up, never imported.
         modules = discover(self.conf)
         event(log, logging.INFO, "worker.discovered", node=self.node, modules=",".join(modules))
-        self._measure_offset()
+        self.chores.measure_offset()
         if self.embedded is not None:
             self.embedded.start()
         now = self.clock.now_ms()
@@ -236,8 +232,7 @@ class Engine:
                 runner.add(timer_id, fire_at)
         if now >= self._next_rebalance_ms:
             self._maintain_leases(now)
-        if now >= self._next_offset_ms:
-            self._measure_offset()
+        self.chores.before_firing(now)
         for runner in list(self.runners.values()):
             runner.load_ahead(now)
         fired = self._fire_due()
@@ -249,14 +244,7 @@ class Engine:
                 found += runner.rescan(now)
         if found:
             fired += self._fire_due()
-        if now >= self._next_prune_ms:
-            self._next_prune_ms = now + PRUNE_EVERY_MS
-            # Off the fire loop: a pass with a backlog of old runs can take a second.
-            with self._housekeeping_lock:
-                self.housekeeping_pending += 1
-            self.executor.submit(self._prune_in_background, now)
-        if now >= self._next_sample_ms:
-            self._sample(now)
+        self.chores.after_firing(now)
         return fired
 
     def _fire_due(self) -> int:
@@ -332,55 +320,11 @@ class Engine:
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
                 self.metrics.on_lease("released", len(self.runners))
         for got in self.keeper.acquire_up_to_share(self.runners, now, rows):
-            started = time.monotonic()
-            runner = ShardRunner(
-                shard=got.shard, token=got.token, db=self.db, conf=self.conf, now_ms=now
-            )
-            runner.cursor_ms = got.cursor_ms
-            # Claims of the previous owner run again now, not at their claim timeout.
-            rerun = claims.release_stale_claims(self.db, got.shard, got.token, now)
-            loaded = runner.rebuild(now)
+            runner = load_acquired(self.db, self.conf, got, now)
             self.runners[got.shard] = runner
-            took = time.monotonic() - started
-            self.metrics.on_rebuild(took)
+            self.metrics.on_rebuild(runner.rebuild_s)
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
-            event(
-                log,
-                logging.INFO,
-                "shard.loaded",
-                shard=got.shard,
-                token=got.token,
-                timers=loaded,
-                reclaimed=rerun,
-                rebuild_ms=int(took * 1000),
-                lag_ms=max(0, now - got.cursor_ms) if got.cursor_ms else 0,
-            )
-
-    def _sample(self, now: int) -> None:
-        """Refresh the gauges: wheel depth per shard and level, pending rows per shard."""
-        self._next_sample_ms = now + SAMPLE_EVERY_MS
-        depths = {}
-        for shard, runner in self.runners.items():
-            wheel = runner.wheel
-            depths[shard] = (*wheel.pending_per_level(), wheel.pending_overflow())
-        self.metrics.set_wheel_depths(depths)
-        if now >= self._next_db_sample_ms:
-            # Counting millions of pending rows takes a while: never on the fire loop.
-            self._next_db_sample_ms = now + SAMPLE_DB_EVERY_MS
-            self.executor.submit(self._sample_database, sorted(self.runners))
-
-    def _sample_database(self, shards: list[int]) -> None:
-        try:
-            counts = status_store.pending_by_shard(self.db)
-            self.metrics.set_db_pending({s: counts.get(s, 0) for s in shards})
-            self.metrics.set_workflow_runs(status_store.workflow_runs_by_state(self.db))
-        except DatabaseError as exc:
-            event(log, logging.WARNING, "metrics.sample_failed", error=exc)
-        finally:
-            tidy_connections()
-
-    # -- helpers -------------------------------------------------------------------------
 
     def _sleep(self) -> None:
         now = self.clock.now_ms()
@@ -418,27 +362,6 @@ class Engine:
             runner = self.runners.get(shard)
             if runner is not None:
                 runner.add(timer_id, fire_at)
-
-    def _measure_offset(self) -> None:
-        self._next_offset_ms = self.clock.now_ms() + OFFSET_EVERY_MS
-        housekeeping.measure_offset(self.clock, self.db)
-
-    def _prune(self, now: int) -> None:
-        housekeeping.prune(self.db, self.conf, now, self.node)
-
-    def _prune_in_background(self, now: int) -> None:
-        try:
-            if self._pruning.acquire(blocking=False):  # else the last pass still runs
-                try:
-                    self._prune(now)
-                except DatabaseError as exc:
-                    event(log, logging.WARNING, "prune.failed", node=self.node, error=exc)
-                finally:
-                    self._pruning.release()
-                    tidy_connections()
-        finally:
-            with self._housekeeping_lock:
-                self.housekeeping_pending -= 1
 
     def _on_database_error(self, exc: Exception, backoff: float) -> None:
         event(

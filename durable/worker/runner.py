@@ -12,12 +12,15 @@ of everything due soon. The rescan is what makes a lost notification a delay, no
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from durable.conf import DurableSettings
 from durable.core.sharding import bucket_of, bucket_start_ms
 from durable.core.wheel import TimingWheel
-from durable.storage import firing
+from durable.storage import claims, firing
+from durable.worker.leasing import Acquired
+from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
 
@@ -34,6 +37,7 @@ class ShardRunner:
         self.loaded_upto_bucket = -1  # every pending row in buckets <= this is in the wheel
         self.cursor_ms = 0
         self.next_rescan_ms = 0
+        self.rebuild_s = 0.0  # how long loading the shard took (metrics)
 
     def __repr__(self) -> str:
         return f"ShardRunner(shard={self.shard}, token={self.token}, pending={len(self.wheel)})"
@@ -129,3 +133,27 @@ class ShardRunner:
         size = 1 << self.conf.BUCKET_SHIFT
         phase = self.shard * size // max(1, self.conf.SHARDS)
         return bucket_of(now_ms - phase, self.conf.BUCKET_SHIFT) + self.conf.HORIZON_BUCKETS
+
+
+def load_acquired(db: str, conf: DurableSettings, got: Acquired, now_ms: int) -> ShardRunner:
+    """Build the runner of a shard just acquired: the previous owner's claims are released
+    to run again now (not at their claim timeout), then the wheel is rebuilt from the rows.
+    Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took."""
+    started = time.monotonic()
+    runner = ShardRunner(shard=got.shard, token=got.token, db=db, conf=conf, now_ms=now_ms)
+    runner.cursor_ms = got.cursor_ms
+    rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
+    loaded = runner.rebuild(now_ms)
+    runner.rebuild_s = time.monotonic() - started
+    event(
+        log,
+        logging.INFO,
+        "shard.loaded",
+        shard=got.shard,
+        token=got.token,
+        timers=loaded,
+        reclaimed=rerun,
+        rebuild_ms=int(runner.rebuild_s * 1000),
+        lag_ms=max(0, now_ms - got.cursor_ms) if got.cursor_ms else 0,
+    )
+    return runner

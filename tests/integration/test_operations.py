@@ -58,7 +58,7 @@ def test_wheel_depth_gauges(engine):
     durable.schedule(probes.record, args=["w"], delay=timedelta(minutes=30))
     for runner in eng.runners.values():
         runner.rebuild(clock.now_ms())
-    eng._sample(clock.now_ms())
+    eng.chores.sample(clock.now_ms())
     total = sum(
         sample(eng, "durable_wheel_pending", shard=str(s), level=str(level))
         for s in (0, 1)
@@ -113,7 +113,7 @@ def test_measured_offset_never_puts_the_worker_ahead_of_the_database(settings):
     clock = SystemClock(offset_ms=50)  # deliberately wrong before measuring
     eng = Engine(node="offset-node", clock=clock, threads=1)
     try:
-        eng._measure_offset()
+        eng.chores.measure_offset()
         for _ in range(200):
             mine = clock.now_ms()
             assert mine <= database_now_ms("default"), "worker clock ahead of the database"
@@ -131,7 +131,7 @@ def test_dead_letters_and_workflow_runs_by_state_are_exported(engine):
     from testproject.demo.workflows import ten_steps
 
     ten_steps.start(run_id="metrics-run")
-    eng._sample_database([0, 1])
+    eng.chores.sample_database([0, 1])
     assert sample(eng, "durable_workflow_runs", state="pending") == 1
 
 

@@ -103,10 +103,10 @@ def test_a_key_of_a_fired_timer_holds_for_the_retention(start_engine, clock):
     engine.tick()
     assert Timer.objects.get(pk=first.pk).state == "fired"
     clock.advance(timedelta(days=7) - timedelta(seconds=1))
-    engine._prune(clock.now_ms())
+    engine.chores.prune(clock.now_ms())
     assert durable.schedule(h.record, args=["once"], key="once").pk == first.pk
     clock.advance(timedelta(seconds=2))
-    engine._prune(clock.now_ms())
+    engine.chores.prune(clock.now_ms())
     assert durable.schedule(h.record, args=["once"], key="once").pk != first.pk
 
 

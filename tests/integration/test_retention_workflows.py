@@ -50,5 +50,5 @@ def test_a_run_id_holds_for_the_run_retention_then_starts_a_new_run(driver):
 def test_a_sleeping_run_is_never_pruned(driver):
     run = driver.settle(doubled.start(1), "sleeping")
     WorkflowRun.objects.filter(pk=run.pk).update(state="sleeping")
-    driver.engine._prune(driver.clock.now_ms() + 400 * 86_400_000)
+    driver.engine.chores.prune(driver.clock.now_ms() + 400 * 86_400_000)
     assert driver.state(run) == "sleeping"

@@ -202,7 +202,7 @@ def test_pruning_deletes_old_finished_rows(engine, clock):
     engine.tick()
     assert Timer.objects.filter(state="fired").count() == 1
     Timer.objects.update(updated_at="2000-01-01T00:00:00Z")
-    engine._prune(clock.now_ms())
+    engine.chores.prune(clock.now_ms())
     assert Timer.objects.count() == 0
 
 

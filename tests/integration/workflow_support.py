@@ -39,7 +39,7 @@ class Driver:
     def idle(self, timeout_s: float = 20.0) -> None:
         """Wait until no external handler (replay) nor pruning pass runs on the executor."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.firer.in_flight or self.engine.housekeeping_pending:
+        while self.engine.firer.in_flight or self.engine.chores.pending:
             if time.monotonic() > deadline:
                 raise AssertionError("replays still in flight after 20 s")
             time.sleep(0.005)
