@@ -9,22 +9,52 @@ every problem, not the first. ``manage.py check`` shows them (``durable.checks``
 worker commands refuse to start on any of them, and :func:`get_settings` raises
 ``ImproperlyConfigured`` naming the keys whose value cannot be used at all, rather than
 letting a ``TypeError`` surface deep inside the worker. A new key needs one line in
-:data:`RULES`; a unit test fails for a key without one.
+:data:`RULES`; a unit test fails for a key without one. The kinds of rule (``Integer``,
+``Number``, ``DatabaseAlias``...) live in :mod:`durable.settings_kinds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Protocol
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+
+from durable.settings_kinds import (
+    Check,
+    DatabaseAlias,
+    Integer,
+    Number,
+    Predicate,
+    Problem,
+    Relation,
+    Rule,
+    show_number,
+    show_value,
+)
+
+__all__ = [
+    "RELATIONS",
+    "RULES",
+    "Check",
+    "DatabaseAlias",
+    "DurableSettings",
+    "Integer",
+    "Number",
+    "Predicate",
+    "Problem",
+    "Relation",
+    "Rule",
+    "find_problems",
+    "get_settings",
+    "raw_settings",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,113 +149,6 @@ YEAR_S = 365 * 86_400
 MAX_LEASE_TTL_S = 1_000_000
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _num(x: float) -> str:
-    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
-
-
-@dataclass(frozen=True, slots=True)
-class Integer:
-    """An ``int`` (never a ``bool``) in ``[low, high]``."""
-
-    low: int
-    high: int | None = None
-
-    def __call__(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return False
-        return self.low <= value and (self.high is None or value <= self.high)
-
-    @property
-    def requirement(self) -> str:
-        if self.high is None:
-            return f"an integer >= {_num(self.low)}"
-        return f"an integer from {_num(self.low)} to {_num(self.high)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Number:
-    """A finite ``int`` or ``float`` (never a ``bool``) above (or from) ``low``, up to ``high``."""
-
-    low: float
-    high: float
-    above: bool = False  # True: strictly greater than low
-
-    def __call__(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False
-        if not math.isfinite(value):
-            return False
-        low_ok = value > self.low if self.above else value >= self.low
-        return low_ok and value <= self.high
-
-    @property
-    def requirement(self) -> str:
-        low = f"> {_num(self.low)}" if self.above else f">= {_num(self.low)}"
-        return f"a number (int or float) {low} and <= {_num(self.high)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Predicate:
-    """Any other test, with the words for what it accepts."""
-
-    test: Callable[[Any], bool]
-    words: str
-
-    def __call__(self, value: Any) -> bool:
-        return self.test(value)
-
-    @property
-    def requirement(self) -> str:
-        return self.words
-
-
-@dataclass(frozen=True, slots=True)
-class DatabaseAlias:
-    """An alias of ``settings.DATABASES`` (read when checking, so overrides count)."""
-
-    optional: bool = False  # True: None is accepted too
-
-    def __call__(self, value: Any) -> bool:
-        if value is None:
-            return self.optional
-        return isinstance(value, str) and value in settings.DATABASES
-
-    @property
-    def requirement(self) -> str:
-        aliases = ", ".join(repr(a) for a in settings.DATABASES)
-        either = "None or " if self.optional else ""
-        return f"{either}a database alias in settings.DATABASES ({aliases})"
-
-
-class Check(Protocol):
-    """A value test that can say what it accepts."""
-
-    def __call__(self, value: Any) -> bool: ...
-
-    @property
-    def requirement(self) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """How one key is checked, and the id of the check that reports a bad value."""
-
-    check: Check
-    id: str = "durable.E003"
-
-    @property
-    def requirement(self) -> str:
-        """What a good value is, in the words the check message uses."""
-        return self.check.requirement
-
-
 _DAYS = Number(0, 36_500)
 _DAYS_OR_NONE = Predicate(
     lambda v: v is None or _DAYS(v), f"None (keep forever) or {_DAYS.requirement}"
@@ -282,17 +205,6 @@ RULES: dict[str, Rule] = {
 """Key → rule. Every field of :class:`DurableSettings` must have one (a test says so)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Relation:
-    """Two keys whose values must agree: ``holds(first, second)``, and why."""
-
-    first: str
-    second: str
-    holds: Callable[[Any, Any], bool]
-    requirement: str
-    why: str
-
-
 RELATIONS: tuple[Relation, ...] = (
     Relation(
         "RESCAN_INTERVAL_S",
@@ -329,21 +241,6 @@ RELATIONS: tuple[Relation, ...] = (
 """Pairs of keys that must agree (``durable.E005``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One thing wrong with ``settings.DURABLE``: check id, keys involved, message."""
-
-    id: str
-    keys: tuple[str, ...]
-    message: str
-    hint: str | None = None
-
-    @property
-    def unusable(self) -> bool:
-        """A value that cannot be used at all (as opposed to two values that disagree)."""
-        return self.id != "durable.E005"
-
-
 def raw_settings() -> Any:
     """``settings.DURABLE`` as written (absent or ``None`` reads as ``{}``)."""
     raw = getattr(settings, "DURABLE", None)
@@ -361,7 +258,7 @@ def find_problems(raw: Any) -> list[Problem]:
             Problem(
                 "durable.E001",
                 (),
-                f"settings.DURABLE must be a dict of setting name -> value, got {_show(raw)}",
+                f"settings.DURABLE must be a dict of setting name -> value, got {show_value(raw)}",
                 hint='e.g. DURABLE = {"SHARDS": 64}',
             )
         ]
@@ -388,7 +285,7 @@ def find_problems(raw: Any) -> list[Problem]:
             Problem(
                 rule.id,
                 (key,),
-                f"DURABLE[{key!r}] must be {rule.requirement}, got {_show(raw[key])}",
+                f"DURABLE[{key!r}] must be {rule.requirement}, got {show_value(raw[key])}",
             )
         )
     for rel in RELATIONS:
@@ -400,8 +297,8 @@ def find_problems(raw: Any) -> list[Problem]:
                 Problem(
                     "durable.E005",
                     (rel.first, rel.second),
-                    f"DURABLE[{rel.first!r}] ({_num(first)}) must be {rel.requirement} "
-                    f"DURABLE[{rel.second!r}] ({_num(second)})",
+                    f"DURABLE[{rel.first!r}] ({show_number(first)}) must be {rel.requirement} "
+                    f"DURABLE[{rel.second!r}] ({show_number(second)})",
                     hint=f"{rel.why[0].upper()}{rel.why[1:]}.",
                 )
             )
