@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
+from django.core.management.base import CommandError
 
 import durable
 from durable.testing import override_clock
@@ -101,6 +106,44 @@ def test_status_command_text_and_json(engine):
         call_command("durable_status", stdout=text)
     assert "workers: 1 live" in text.getvalue()
     assert "failed timers (dead letter): 1" in text.getvalue()
+
+
+def test_status_check_exits_by_health(engine):
+    eng, clock = engine
+    clock.advance(1_000)
+    eng.tick()
+    with override_clock(clock):
+        out = StringIO()
+        call_command("durable_status", "--check", stdout=out)  # healthy: no error
+        assert out.getvalue().rstrip().endswith("health: ok")
+        out = StringIO()
+        call_command("durable_status", "--check", "--json", stdout=out)
+        assert json.loads(out.getvalue())["health"] == {
+            "ok": True,
+            "problems": [],
+            "max_lag_s": 30.0,
+        }
+        clock.advance(timedelta(minutes=5))  # the worker stopped turning: leases lapse
+        with pytest.raises(CommandError) as exc:
+            call_command("durable_status", "--check", stdout=StringIO())
+    assert exc.value.returncode == 1
+    assert "no live worker" in str(exc.value)
+    assert "2 shard(s) without a live owner: 0-1" in str(exc.value)
+
+
+def test_status_check_says_when_the_database_is_unreachable(tmp_path):
+    env = {**os.environ, "DATABASE_URL": "postgres://nobody@127.0.0.1:1/nothing"}
+    env.pop("DURABLE_EXPECT_POSTGRES", None)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "durable_status", "--check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=settings.BASE_DIR,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "database unreachable" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.postgres

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from durable.conf import get_settings
 from durable.core.clock import current_clock
@@ -54,18 +55,65 @@ def collect(now_ms: int) -> dict[str, Any]:
     }
 
 
+#: Exit status of ``--check``: healthy, unhealthy (problems listed), database unreachable.
+HEALTHY, UNHEALTHY, UNREACHABLE = 0, 1, 2
+
+
+def health(data: dict[str, Any], max_lag_s: float) -> list[str]:
+    """What is wrong with the cluster ``data`` (from :func:`collect`); empty when healthy:
+    a live worker, every shard owned by a live lease, none more than ``max_lag_s`` behind."""
+    problems = []
+    if not any(w["live"] for w in data["workers"]):
+        problems.append("no live worker")
+    unowned = [s["shard"] for s in data["shards"] if not s["live"]]
+    if unowned:
+        problems.append(f"{len(unowned)} shard(s) without a live owner: {_ranges(unowned)}")
+    lagging = [s["shard"] for s in data["shards"] if (s["lag_ms"] or 0) > max_lag_s * 1000]
+    if lagging:
+        problems.append(
+            f"{len(lagging)} shard(s) more than {max_lag_s:g} s behind: {_ranges(lagging)}"
+        )
+    return problems
+
+
 class Command(BaseCommand):
     help = "Show shard owners, lag, workers, recent fires, failed timers and retention."
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help="health check: exit 0 healthy, 1 unhealthy (problems on stderr), "
+            "2 database unreachable",
+        )
+        parser.add_argument(
+            "--max-lag-s",
+            type=float,
+            default=None,
+            help="with --check: a shard further behind is unhealthy (default 3 x LEASE_TTL_S)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        data = collect(current_clock().now_ms())
+        try:
+            data = collect(current_clock().now_ms())
+        except DatabaseError as exc:
+            if not options["check"]:
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommandError(f"database unreachable: {first}", returncode=UNREACHABLE) from None
+        max_lag_s = options["max_lag_s"]
+        if max_lag_s is None:
+            max_lag_s = 3 * get_settings().LEASE_TTL_S
+        problems = health(data, max_lag_s)
         if options["json"]:
+            data["health"] = {"ok": not problems, "problems": problems, "max_lag_s": max_lag_s}
             self.stdout.write(json.dumps(data, indent=2))
-            return
-        self._text(data)
+        else:
+            self._text(data)
+            self.stdout.write("health: " + ("ok" if not problems else "; ".join(problems)))
+        if options["check"] and problems:
+            raise CommandError("unhealthy: " + "; ".join(problems), returncode=UNHEALTHY)
 
     def _text(self, data: dict[str, Any]) -> None:
         out = self.stdout.write
@@ -99,6 +147,17 @@ class Command(BaseCommand):
             for r in data["retention"]
         ]
         out("retention: " + ", ".join(parts))
+
+
+def _ranges(shards: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for shard in sorted(shards):
+        if spans and shard == spans[-1][1] + 1:
+            spans[-1][1] = shard
+        else:
+            spans.append([shard, shard])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _days(days: float | None) -> str:
