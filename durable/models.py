@@ -10,6 +10,11 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+# The choices and the queryset live beside the models; importing them here keeps
+# ``durable.models.TimerState`` and the rest where code and docs expect them.
+from durable.choices import TimerKind, TimerState, WorkflowState
+from durable.querysets import WorkflowRunQuerySet
+
 
 def _parent_field() -> models.ForeignKey:
     """A nullable link to a parent row of the same model.
@@ -25,27 +30,6 @@ def _parent_field() -> models.ForeignKey:
         related_name="children",
         db_index=False,
     )
-
-
-class TimerState(models.TextChoices):
-    """Life cycle of a timer: pending → (firing →) fired | failed; pending → canceled."""
-
-    PENDING = "pending", "pending"
-    FIRING = "firing", "firing (claimed by an external handler)"
-    FIRED = "fired", "fired"
-    FAILED = "failed", "failed (dead letter)"
-    CANCELED = "canceled", "canceled"
-
-
-class TimerKind(models.TextChoices):
-    """What firing a timer does."""
-
-    HANDLER = "handler", "handler"
-    CELERY = "celery", "Celery task"
-    WORKFLOW = "workflow", "workflow wake-up"
-    CRON = "cron", "cron occurrence"
-    TASK = "task", "Django task"
-    SIGNAL = "signal", "scheduled signal"
 
 
 class Timer(models.Model):
@@ -258,42 +242,6 @@ class CronSchedule(models.Model):
     def __str__(self) -> str:
         spec = self.expression if self.kind == self.Kind.CRON else f"every {self.interval_ms} ms"
         return f"{self.name} ({spec}, {self.timezone})"
-
-
-class WorkflowState(models.TextChoices):
-    """Life cycle of a workflow run.
-
-    pending → running → (sleeping | waiting → running)* → completed | failed; any
-    unfinished state → canceled. A failed run can be retried (back to pending).
-    """
-
-    PENDING = "pending", "pending"
-    RUNNING = "running", "running"
-    SLEEPING = "sleeping", "sleeping"
-    WAITING = "waiting", "waiting"
-    COMPLETED = "completed", "completed"
-    FAILED = "failed", "failed"
-    CANCELED = "canceled", "canceled"
-
-
-class WorkflowRunQuerySet(models.QuerySet["WorkflowRun"]):
-    """Filters for listing runs: ``WorkflowRun.objects.active().named(wf)``."""
-
-    def named(self, workflow: object) -> WorkflowRunQuerySet:
-        """Runs of a workflow, given by its registered name or the decorated object."""
-        return self.filter(name=getattr(workflow, "name", workflow))
-
-    def active(self) -> WorkflowRunQuerySet:
-        """Runs not finished yet (pending, running, sleeping or waiting)."""
-        return self.filter(state__in=WorkflowRun.ACTIVE_STATES)
-
-    def finished(self) -> WorkflowRunQuerySet:
-        """Runs that completed, failed or were cancelled."""
-        return self.exclude(state__in=WorkflowRun.ACTIVE_STATES)
-
-    def for_object(self, obj: models.Model) -> WorkflowRunQuerySet:
-        """Runs bound to a model instance (``@durable.workflow`` on one of its methods)."""
-        return self.filter(model_label=obj._meta.label_lower, object_pk=str(obj.pk))
 
 
 class WorkflowRun(models.Model):

@@ -37,43 +37,29 @@ from django.db import transaction
 from durable.conf import get_settings
 from durable.core.catchup import Decision, Run, decide
 from durable.core.clock import current_clock
-from durable.core.errors import sanitize_error
-from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import (
     FiringBatch,
-    RedoCarefully,
     register_batch_scope,
     register_kind,
 )
 from durable.dispatch.registry import HandlerSpec
 from durable.models import CronSchedule, TimerState
 from durable.scheduling import together
-from durable.scheduling.cron import Occurrence, schedule_function
+
+# Calling the function and recording the run on the row: durable.scheduling.occurrence_runs.
+from durable.scheduling.occurrence_runs import (
+    RUN_FIELDS,
+    event,
+    note_skips,
+    occurrence_of,
+    record_run,
+    run_function,
+)
 from durable.scheduling.specs import row_spec
 from durable.storage import schedules as store
 
-log = logging.getLogger("durable.cron")
-
-RUN_FIELDS = (
-    "last_scheduled_ms",
-    "last_started_ms",
-    "last_run_at",
-    "last_duration_ms",
-    "last_status",
-    "last_error",
-    "fired_count",
-    "failed_count",
-    "busy_since_ms",
-)
 CHAIN_FIELDS = ("next_ms", "skipped_count", "running", "running_until_ms")
-
-
-def event(level: int, name: str, **fields: Any) -> None:
-    """Log ``name key=value ...`` (the worker's structured-event format)."""
-    if log.isEnabledFor(level):
-        text = " ".join(f"{k}={v}" for k, v in fields.items())
-        log.log(level, "%s %s", name, text, extra={"durable": {"event": name, **fields}})
 
 
 # Schedule name -> atomic, as last read by this process. The resolver runs for every
@@ -171,20 +157,20 @@ def fire_atomic(
         return {"stale": True}
     _check_mode(row, atomic=True)
     decision = _decide(row, scheduled_ms, now, _backlog_of(catch_up, until_ms, then_ms))
-    _note_skips(row, decision)
+    note_skips(row, decision)
     if not decision.backlog and decision.runs:
         row.busy_since_ms = now
     elapsed = 0
     for run in decision.runs:
         # Durations by the clock's own difference: the fire time (``now``) comes from
         # the worker's database-corrected clock, which a handler cannot read.
-        occurrence = _occurrence(row.name, row.timezone, run, now + elapsed)
+        occurrence = occurrence_of(row.name, row.timezone, run, now + elapsed)
         started = current_clock().now_ms()
-        status, error = _call(
+        status, error = run_function(
             db, row.handler, occurrence, row.kwargs, atomic=True, together=batch is not None
         )
         duration = max(0, current_clock().now_ms() - started)
-        _record(row, run.occurrence_ms, now + elapsed, status, error, duration)
+        record_run(row, run.occurrence_ms, now + elapsed, status, error, duration)
         elapsed += duration
     if batch is not None:
         row.next_ms = decision.next_ms
@@ -202,12 +188,6 @@ def _next_backlog(decision: Decision) -> dict[str, Any]:
     if not decision.next_catch_up:
         return {}
     return {"catch_up": True, "until_ms": decision.until_ms, "then_ms": decision.then_ms}
-
-
-def _occurrence(name: str, tz: str, run: Run, started_ms: int) -> Occurrence:
-    return Occurrence.build(
-        name, tz, run.occurrence_ms, started_ms, catch_up=run.catch_up, missed=run.missed
-    )
 
 
 def fire_external(
@@ -231,10 +211,12 @@ def fire_external(
     elapsed = 0
     for occurrence_ms, run_catch_up, missed in plan["runs"]:
         run = Run(occurrence_ms, run_catch_up, missed)
-        occurrence = _occurrence(name, plan["tz"], run, now + elapsed)
+        occurrence = occurrence_of(name, plan["tz"], run, now + elapsed)
         started = current_clock().now_ms()
         # Plans recorded before schedules had kwargs have none.
-        status, error = _call(db, plan["handler"], occurrence, plan.get("kwargs", {}), atomic=False)
+        status, error = run_function(
+            db, plan["handler"], occurrence, plan.get("kwargs", {}), atomic=False
+        )
         duration = max(0, current_clock().now_ms() - started)
         results.append((occurrence_ms, now + elapsed, status, error, duration))
         elapsed += duration
@@ -253,7 +235,7 @@ def _start_external(
     if row.running is not None and row.running.get("timer_ms") == scheduled_ms:
         # Our own claim fired again: the worker that ran these occurrences stopped first.
         plan = dict(row.running)
-        _record(row, plan["runs"][-1][0], now, "interrupted", _INTERRUPTED, None)
+        record_run(row, plan["runs"][-1][0], now, "interrupted", _INTERRUPTED, None)
         event(logging.WARNING, "cron.rerun", schedule=name, occurrences=plan["runs"])
         row.running_until_ms = now + claim_ms
         store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
@@ -263,7 +245,7 @@ def _start_external(
         return None
     _check_mode(row, atomic=False)
     decision = _decide(row, scheduled_ms, now, backlog)
-    _note_skips(row, decision)
+    note_skips(row, decision)
     if not decision.runs:
         _advance(db, row, decision.next_ms, now, _next_backlog(decision))
         store.save(db, row, CHAIN_FIELDS)
@@ -300,7 +282,7 @@ def _finish_external(
         event(logging.WARNING, "cron.orphan_run", schedule=name, occurrences=plan["runs"])
         return
     for occurrence_ms, started_ms, status, error, duration in results:
-        _record(row, occurrence_ms, started_ms, status, error, duration)
+        record_run(row, occurrence_ms, started_ms, status, error, duration)
     row.running = None
     row.running_until_ms = None
     if row.enabled and row.next_ms is not None:
@@ -308,84 +290,6 @@ def _finish_external(
         backlog = plan["next"] if row.next_ms == plan["next_ms"] else {}
         _advance(db, row, row.next_ms, results[-1][1] + results[-1][4], backlog)
     store.save(db, row, RUN_FIELDS + CHAIN_FIELDS)
-
-
-def _call(
-    db: str,
-    path: str,
-    occurrence: Occurrence,
-    kwargs: dict[str, Any],
-    *,
-    atomic: bool,
-    together: bool = False,
-) -> tuple[str, str]:
-    """Run ``fn(occurrence, **kwargs)``; return ``(status, sanitized error)``.
-
-    Never raises, except with ``together`` (an atomic occurrence fired with its batch):
-    then the function runs without a savepoint of its own, two round trips saved per
-    occurrence, and a failure raises :class:`RedoCarefully`, so that the firer rolls the
-    batch back and fires its occurrences again one by one, each in a savepoint, where
-    this failure is recorded on the schedule as usual.
-    """
-    try:
-        fn = schedule_function(path)  # a lookup: the path is row data, never imported
-        if atomic and together:
-            try:
-                fn(occurrence, **kwargs)
-            except Exception as exc:
-                raise RedoCarefully(f"schedule {occurrence.schedule!r} failed") from exc
-        elif atomic:
-            with transaction.atomic(using=db):  # its own savepoint: a failure undoes only it
-                fn(occurrence, **kwargs)
-        else:
-            fn(occurrence, **kwargs)
-    except RedoCarefully:
-        raise
-    except Exception as exc:
-        error = sanitize_error(exc)
-        event(
-            logging.WARNING,
-            "cron.run_failed",
-            schedule=occurrence.schedule,
-            occurrence=occurrence.scheduled_ms,
-            error=error,
-        )
-        return CronSchedule.Status.FAILED, error
-    return CronSchedule.Status.SUCCEEDED, ""
-
-
-def _record(
-    row: CronSchedule,
-    run_ms: int,
-    started_ms: int,
-    status: str,
-    error: str,
-    duration: int | None,
-) -> None:
-    row.last_scheduled_ms = run_ms
-    row.last_started_ms = started_ms
-    row.last_run_at = ms_to_datetime(started_ms)
-    row.last_duration_ms = duration
-    row.last_status = status
-    row.last_error = error
-    if status == CronSchedule.Status.SUCCEEDED:
-        row.fired_count += 1
-    else:
-        row.failed_count += 1
-
-
-def _note_skips(row: CronSchedule, decision: Decision) -> None:
-    if not decision.skipped:
-        return
-    row.skipped_count += decision.skipped
-    event(
-        logging.WARNING if decision.reason == "missed" else logging.INFO,
-        "cron.skipped",
-        schedule=row.name,
-        count=decision.skipped,
-        reason=decision.reason,
-        policy=row.catch_up if decision.reason == "missed" else row.overlap,
-    )
 
 
 def _batch_scope(

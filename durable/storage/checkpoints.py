@@ -1,5 +1,7 @@
 """Queries of a replay's checkpoints: start the replay, record steps, suspend, finish.
 
+The SQL text of the one-statement paths is :mod:`durable.storage.checkpoint_sql`.
+
 Each checkpoint is a short transaction the replay opens itself (and fences). The hot path
 (one step = one checkpoint) is shaped for round trips: on PostgreSQL, locking the run,
 checking it still runs and inserting the step records is one statement, and so is
@@ -26,31 +28,16 @@ from typing import Any
 
 from django.db import connections
 
-from durable.conf import get_settings
-from durable.exceptions import LeaseLost
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowState, WorkflowStep
 from durable.storage import statements
+
+# The statements themselves; HISTORY_SQL, commit_mode and jsonb stay importable here.
+from durable.storage.checkpoint_sql import HISTORY_SQL, added_cte, commit_mode, jsonb, run_statement
 from durable.storage.leases import ms_to_dt
 
 STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "wake_ms")
 ACTIVE = WorkflowRun.ACTIVE_STATES
 RUN_FIELDS = ("name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id")
-_ASYNC = "set_config('synchronous_commit', 'off', true)"
-
-
-def commit_mode() -> str:
-    """A SELECT column that makes a checkpoint commit asynchronously when
-    ``ASYNC_COMMIT`` opts in (PostgreSQL), else a column that does nothing."""
-    return _ASYNC if get_settings().ASYNC_COMMIT else "NULL"
-
-
-# The run's history as one JSON array, in RETURNING (the row being updated is the run).
-HISTORY_SQL = (
-    "(SELECT coalesce(json_agg(json_build_object('seq', s.seq, 'kind', s.kind, 'name', s.name, "
-    "'status', s.status, 'result', s.result, 'error', s.error, 'attempts', s.attempts, "
-    "'wake_ms', s.wake_ms) ORDER BY s.seq), '[]') FROM durable_workflowstep s "
-    "WHERE s.run_id = durable_workflowrun.id)"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,41 +147,6 @@ def commit_steps(
     return _insert(db, run_id, inserts, now_ms, held=held)
 
 
-_ROW = "(%s::integer, %s, %s, %s, %s::jsonb, %s, %s::integer, %s::bigint)"
-
-
-def _insert_sql(run: str, source: str, count: int) -> str:
-    """INSERT of ``count`` step records given as parameters (see :func:`_row_params`).
-
-    Parameters rather than one JSON document: the server plans a VALUES list faster than
-    it unpacks a document, which a step (one record, the hot path) notices.
-    """
-    values = ", ".join([_ROW] * count)
-    return (
-        "INSERT INTO durable_workflowstep (run_id, seq, kind, name, status, result, error, "
-        "attempts, wake_ms, created_at, updated_at) "
-        f"SELECT {run}, s.*, %s, %s FROM {source}(VALUES {values}) AS s(seq, kind, name, "
-        "status, result, error, attempts, wake_ms) RETURNING 1"
-    )
-
-
-def jsonb(value: Any) -> str | None:
-    """``value`` as a parameter for a ``::jsonb`` placeholder (None is SQL NULL, as the ORM
-    stores it)."""
-    return None if value is None else json.dumps(value)
-
-
-def _row_params(inserts: Sequence[dict[str, Any]]) -> list[Any]:
-    return [
-        value
-        for step in inserts
-        for value in (
-            step["seq"], step["kind"], step["name"], step["status"], jsonb(step["result"]),
-            step["error"], step["attempts"], step["wake_ms"],
-        )
-    ]  # fmt: skip
-
-
 def _insert(
     db: str, run_id: str, inserts: Sequence[dict[str, Any]], now_ms: int, *, held: bool
 ) -> bool:
@@ -203,26 +155,13 @@ def _insert(
         # One statement: the UPDATE locks the run row (and finds nothing once it no
         # longer runs); the INSERT feeds on its result, so a stopped run gets nothing.
         # The caller's transaction is fenced already.
-        found, _ = _run_statement(db, run_id, None, "updated_at = %s", [when], inserts, when)
+        found, _ = run_statement(db, run_id, None, "updated_at = %s", [when], inserts, when)
         return found
-    added, params = _added("%s", "", inserts, when)
+    added, params = added_cte("%s", "", inserts, when)
     sql = f"WITH {added or 'nothing AS (SELECT 1)'} SELECT 1, {commit_mode()}"
     with statements.cursor(db) as cursor:
         cursor.execute(sql, [run_id, *params] if inserts else [])
     return True
-
-
-def _added(
-    run: str, source: str, inserts: Sequence[dict[str, Any]], when: Any
-) -> tuple[str, list[Any]]:
-    """The ``added AS (INSERT ...)`` CTE and its parameters; empty without records."""
-    if not inserts:
-        return "", []
-    return f"added AS ({_insert_sql(run, source, len(inserts))})", [
-        when,
-        when,
-        *_row_params(inserts),
-    ]
 
 
 def record_steps(
@@ -242,7 +181,7 @@ def record_steps(
     :class:`~durable.exceptions.LeaseLost` when ``lease`` (shard, token) is stale.
     """
     when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
-    found, _ = _run_statement(db, run_id, lease, "updated_at = %s", [when], inserts, when)
+    found, _ = run_statement(db, run_id, lease, "updated_at = %s", [when], inserts, when)
     return found
 
 
@@ -286,7 +225,7 @@ def finish_run(
             "AND EXISTS (SELECT 1 FROM held) RETURNING id)"
         )
         fired_params = [claim.token, when, when, claim.timer_id, claim.attempts]
-    ended, fired = _run_statement(
+    ended, fired = run_statement(
         db,
         run_id,
         lease,
@@ -298,59 +237,6 @@ def finish_run(
         commit="",
     )
     return ended, bool(fired)
-
-
-def _run_statement(
-    db: str,
-    run_id: str,
-    lease: tuple[int, int] | None,
-    set_sql: str,
-    set_params: list[Any],
-    inserts: Sequence[dict[str, Any]],
-    when: Any,
-    *,
-    tail: tuple[str, list[Any], str] = ("", [], ", 0"),
-    commit: str | None = None,
-) -> tuple[bool, Any]:
-    """One fenced statement on a running run: update it, insert step records, and more.
-
-    ``tail`` is (more CTEs, their parameters, one more SELECT column); ``commit`` an
-    extra SELECT column that sets how the transaction commits (default
-    :func:`commit_mode`). Returns (the run was
-    running and got the update, the tail column); raises LeaseLost.
-    """
-    added, rows = _added("held.id", "held, ", inserts, when)
-    added = f", {added}" if added else ""
-    ctes, tail_params, tail_column = tail
-    if lease is None:  # fenced by the caller's transaction, or unfenced (tests)
-        lease_cte, ours, current, shard_params, token_params = "", "TRUE", "NULL", [], []
-    else:
-        lease_cte = "lease AS (SELECT token FROM durable_shardlease WHERE shard = %s FOR SHARE), "
-        ours, current = (
-            "(SELECT token FROM lease) IS NOT DISTINCT FROM %s",
-            "(SELECT token FROM lease)",
-        )
-        shard_params, token_params = [lease[0]], [lease[1]]
-    sql = (
-        f"WITH {lease_cte}held AS (UPDATE durable_workflowrun SET {set_sql} "
-        f"WHERE id = %s AND state = %s AND {ours} RETURNING id){added}{ctes} "
-        f"SELECT {ours}, (SELECT count(*) FROM held), {current}{tail_column}"
-        f"{f', {commit_mode()}' if commit is None else commit}"
-    )
-    params = [*shard_params, *set_params, run_id, WorkflowState.RUNNING, *token_params, *rows,
-              *tail_params, *token_params]  # fmt: skip
-    with statements.cursor(db) as cursor:
-        cursor.execute(sql, params)
-        is_ours, found, token, extra = cursor.fetchone()[:4]
-    if not is_ours:
-        assert lease is not None
-        raise LeaseLost(
-            f"lease of shard {lease[0]} lost: token {lease[1]} is stale (now {token})",
-            shard=lease[0],
-            token=lease[1],
-            current_token=token,
-        )
-    return bool(found), extra
 
 
 def set_state(

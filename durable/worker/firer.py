@@ -27,6 +27,9 @@ shard's lease token, and run on :class:`~durable.worker.external.ExternalRunner`
 threads after commit; the firer claims no more of them than it has free threads. A
 crash in between leaves the claim to the shard's next owner, which re-runs it at once
 (:func:`durable.storage.claims.release_stale_claims`).
+
+What a batch writes about its outcomes, and what follows its commit, is
+:class:`~durable.worker.recording.BatchRecorder`'s.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec, check_stored_call
-from durable.exceptions import AttemptsExhausted
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
@@ -55,7 +57,8 @@ from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.deadline import Deadlines
 from durable.worker.external import ExternalRunner, HandlerPool
 from durable.worker.logs import event
-from durable.worker.outcomes import Outcomes, Readd, json_value
+from durable.worker.outcomes import Outcomes, Readd
+from durable.worker.recording import BatchRecorder
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
@@ -110,6 +113,14 @@ class Firer:
             inbox=inbox,
             outcomes=self.outcomes,
             metrics=metrics,
+        )
+        self.recorder = BatchRecorder(
+            db=db,
+            conf=conf,
+            clock=clock,
+            outcomes=self.outcomes,
+            external=self.external,
+            inbox=inbox,
         )
         self.deadlines = Deadlines()
         self.quarantined: set[int] = set()
@@ -218,7 +229,9 @@ class Firer:
                     lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
                 work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
                 continue
-            self._after_commit({runner.shard: runner for runner, _ in work}, outcomes, announced)
+            self.recorder.after_commit(
+                {runner.shard: runner for runner, _ in work}, outcomes, announced
+            )
             return outcomes
         return {}
 
@@ -258,7 +271,7 @@ class Firer:
                 for timer in due:
                     out = outcomes[timer.shard]
                     if timer.id not in counted.ids:
-                        self._uncounted(timer, out)
+                        self.recorder.uncounted(timer, out)
                     elif timer.id in counted.suspects and len(due) > 1 and self._atomic(timer):
                         out.alone.append(timer)  # fires after the batch, in one of its own
                     elif time.monotonic() > deadline:
@@ -273,20 +286,8 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
-            self._record(runners, outcomes, batch, counted.ids)
+            self.recorder.record(runners, outcomes, batch, counted.ids)
         return outcomes, announced
-
-    def _uncounted(self, timer: store.DueTimer, out: BatchOutcome) -> None:
-        """A due timer whose attempt was not counted: all used up, or it came due since."""
-        if timer.attempts >= timer.max_attempts:
-            error = AttemptsExhausted(
-                f"attempt {timer.attempts} of {timer.max_attempts} started and never finished "
-                "(its worker died, hung past its timeout, or lost the shard)",
-                timer=timer.id,
-            )
-            out.errors.append((timer, error))
-        else:
-            out.leftover.append(timer)
 
     def _run_one(
         self,
@@ -331,66 +332,6 @@ class Firer:
         except BaseException as exc:  # its savepoint rolled its own effects back
             out.errors.append((timer, spec.failure(exc)))
         return False
-
-    def _record(
-        self,
-        runners: dict[int, ShardRunner],
-        outcomes: dict[int, BatchOutcome],
-        batch: kinds.FiringBatch,
-        counted: set[int],
-    ) -> None:
-        now_ms = batch.now_ms
-        fired = [pair for out in outcomes.values() for pair in out.fired]
-        results = {
-            t.id: json_value(v, self.conf.MAX_RESULT_BYTES) for t, v in fired if t.on_complete
-        }
-        # fired_at is when the batch's handlers were done (and its publishes flushed),
-        # not when it started: the row then says when the fire took effect.
-        done_ms = self.clock.now_ms()
-        store.mark_fired(self.db, [t.id for t, _ in fired], batch.tokens, done_ms, results)
-        external: list[int] = []
-        leftover: list[int] = []
-        for shard, out in outcomes.items():
-            for timer, _ in out.fired:
-                if timer.on_complete:
-                    success = {"status": "success", "value": results[timer.id]}
-                    self.outcomes.followup(timer, success, now_ms, out.readd)
-            token = runners[shard].token
-            for timer, exc in out.errors:
-                self.outcomes.retry_or_fail(timer, timer.attempts, token, exc, now_ms, out.readd)
-            external.extend(t.id for t, _ in out.external if t.id not in batch.claimed)
-            leftover.extend(t.id for t in out.leftover + out.waiting if t.id in counted)
-        # Timers left for later were counted, not run: give their attempt back.
-        claims.uncount(self.db, leftover)
-        if external:
-            durable = not batch.only_claims
-            store.claim(self.db, external, batch.tokens, batch.claim_until_ms, durable=durable)
-
-    def _after_commit(
-        self,
-        by_shard: dict[int, ShardRunner],
-        outcomes: dict[int, BatchOutcome],
-        announced: Announced,
-    ) -> None:
-        # Timers the batch scheduled (follow-ups, retries, next occurrences) enter their
-        # wheel now; those of shards not in this batch go through the engine's inbox.
-        readd = [item for out in outcomes.values() for item in out.readd] + announced
-        for shard, timer_id, fire_at in readd:
-            runner = by_shard.get(shard)
-            if runner is not None:
-                runner.add(timer_id, fire_at)
-            else:
-                self.inbox.put((shard, timer_id, fire_at))
-        for shard, out in outcomes.items():
-            runner = by_shard[shard]
-            for timer in out.leftover:
-                runner.add(timer.id, timer.fire_at_ms)
-            for timer in out.waiting:
-                self.external.park(shard, timer.id, timer.fire_at_ms)
-            for timer, spec in out.external:
-                self.external.submit(shard, runner.token, timer, spec)
-            for timer, exc in out.errors:
-                self.outcomes.log_error(timer, timer.attempts, exc, count=False)
 
     def _give_up(self, runner: ShardRunner, timer_id: int, exc: Exception) -> None:
         """Dead-letter a timer whose firing failed alone on an error of its own; if even

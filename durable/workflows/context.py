@@ -27,58 +27,35 @@ from durable.core.timeutil import ceil_ms, datetime_to_ms, ms_to_datetime
 from durable.dispatch.giveup import Exceptions
 from durable.exceptions import (
     ChildWorkflowFailed,
-    NonDeterminismError,
     SignalTimeout,
     WorkflowError,
 )
 from durable.scheduling.validation import check_delay, check_instant_ms, check_text
 from durable.workflows.calls import StepOptions, call_name, check_signal, op, step_failed
-from durable.workflows.guard import StrictGuard
 from durable.workflows.records import (
-    Abort,
-    Backend,
     ChildHandle,
-    Interrupt,
     Kind,
     Record,
     Status,
     StepCall,
     StepPolicy,
-    too_many_steps,
 )
+from durable.workflows.replay import ReplayCursor
 
 _SYSTEM_RANDOM = random.SystemRandom()  # never the module's seeded generator
 
 
-class WorkflowContext:
+class WorkflowContext(ReplayCursor):
     """The ``ctx`` argument of a workflow: durable steps, sleeps, signals and values.
 
     Only ctx calls are durable; everything else in a workflow must be deterministic
     given their results, because the worker replays the code from the top each time
-    the run resumes. See ``docs/discussions/determinism.md``.
+    the run resumes. See ``docs/discussions/determinism.md``. The replay rules
+    (sequence numbers, recorded calls, sticky interrupts) are
+    :class:`~durable.workflows.replay.ReplayCursor`'s.
     """
 
-    def __init__(
-        self,
-        *,
-        run_id: str,
-        history: list[Record],
-        backend: Backend,
-        policy: StepPolicy,
-        strict: bool = False,
-    ) -> None:
-        self._run_id = run_id
-        self._history = {record.seq: record for record in history}
-        self._backend = backend
-        self._policy = policy
-        self._seq = 0
-        self._running_seq: int | None = None
-        self._depth = 0
-        self._interrupt: Interrupt | None = None
-        self._failure: WorkflowError | None = None
-        self._guard = StrictGuard(self._keep_failure) if strict else None
-
-    # -- what the executor needs --------------------------------------------------------
+    # -- the run and the step --------------------------------------------------------------
 
     @property
     def run_id(self) -> str:
@@ -94,31 +71,6 @@ class WorkflowContext:
         """
         seq = self._running_seq if self._running_seq is not None else self._seq
         return f"{self._run_id}:{seq}"
-
-    @property
-    def failure(self) -> WorkflowError | None:
-        """A non-determinism error seen during this replay (it fails the run)."""
-        return self._failure
-
-    @property
-    def interrupt(self) -> Interrupt | None:
-        """The suspension or stop that ended this replay, if any."""
-        return self._interrupt
-
-    def enter_code(self) -> None:
-        """Arm strict mode (if on) before the workflow code starts."""
-        if self._guard is not None:
-            self._guard.arm()
-
-    def leave_code(self) -> None:
-        """Disarm strict mode once the workflow code returned or raised."""
-        if self._guard is not None:
-            self._guard.disarm()
-
-    def unconsumed(self) -> Record | None:
-        """The first recorded call the code did not make this time (None if all were)."""
-        later = [seq for seq in self._history if seq >= self._seq]
-        return self._history[min(later)] if later else None
 
     # -- steps --------------------------------------------------------------------------
 
@@ -374,49 +326,3 @@ class WorkflowContext:
     def child(self, workflow: Any, /, *args: Any, **kwargs: Any) -> Any:
         """Start a child run and wait for its result: ``start_child`` then ``wait_child``."""
         return self.wait_child(self.start_child(workflow, *args, **kwargs))
-
-    # -- machinery ----------------------------------------------------------------------
-
-    def _check_live(self) -> None:
-        if self._interrupt is not None:
-            raise self._interrupt
-        if self._failure is not None:
-            raise self._failure
-
-    def _keep_failure(self, error: WorkflowError) -> None:
-        self._failure = self._failure or error
-
-    def _next(self, kind: str, name: str) -> tuple[int, Record | None]:
-        seq = self._seq
-        if seq >= self._policy.max_steps:  # every replay reads the whole history
-            failure = too_many_steps(seq, self._policy.max_steps)
-            self._keep_failure(failure)
-            raise failure
-        self._seq += 1
-        prior = self._history.get(seq)
-        if prior is not None and (prior.kind, prior.name) != (kind, name):
-            error = NonDeterminismError(
-                f"seq {seq}: the history recorded {prior.kind} {prior.name!r} but the code "
-                f"now calls {kind} {name!r}",
-                seq=seq,
-                recorded=f"{prior.kind} {prior.name}",
-                found=f"{kind} {name}",
-            )
-            self._keep_failure(error)
-            raise error
-        return seq, prior
-
-    def _now(self) -> int:
-        return int(self._call(self._backend.now_ms))
-
-    def _suspend(self, record: Record) -> None:
-        self._call(self._backend.suspend, record)
-        raise AssertionError("backend.suspend() returned instead of suspending")
-
-    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return method(*args)
-        except Interrupt:
-            raise
-        except Exception as exc:  # durable's own failure: not the workflow's to catch
-            raise Abort(exc) from exc
