@@ -255,8 +255,7 @@ def _insert(db: str, spec: ScheduleSpec, now: int, *, enabled: bool) -> CronSche
 
 
 def _checked(name: Any) -> str:
-    """``name`` as a schedule name to look up: a str without NUL or a lone surrogate
-    (the database's query would fail on either, with a less helpful error)."""
+    """``name`` if it can be looked up: a str without NUL or a lone surrogate."""
     if not isinstance(name, str):
         raise TypeError(f"name: expected a schedule name (str), got {type(name).__name__}")
     return check_text(name, "name")

@@ -19,8 +19,8 @@ from durable.core.clock import Clock
 from durable.metrics import WorkerMetrics
 from durable.storage import status as status_store
 from durable.worker import housekeeping
-from durable.worker.external import HandlerPool, tidy_connections
 from durable.worker.logs import event
+from durable.worker.pool import HandlerPool, tidy_connections
 from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")

@@ -44,12 +44,12 @@ from durable.storage import leases as lease_store
 from durable.worker import housekeeping
 from durable.worker.batches import BatchOutcome, pack
 from durable.worker.chores import Chores
-from durable.worker.external import HandlerPool
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener, sort_notices
 from durable.worker.logs import event
 from durable.worker.outcomes import Readd
+from durable.worker.pool import HandlerPool
 from durable.worker.runner import ShardRunner, load_acquired
 
 log = logging.getLogger("durable.worker")

@@ -55,9 +55,10 @@ from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.deadline import Deadlines
-from durable.worker.external import ExternalRunner, HandlerPool
+from durable.worker.external import ExternalRunner
 from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd
+from durable.worker.pool import HandlerPool
 from durable.worker.recording import BatchRecorder
 from durable.worker.runner import ShardRunner
 
