@@ -12,7 +12,7 @@ DURABLE_TEST_DATABASE_URL ?= postgres://durable:durable@127.0.0.1:5432/durable
 SQLITE_TEST_URL := sqlite:///$(CURDIR)/.test-db.sqlite3
 export DURABLE_TEST_DATABASE_URL
 
-.PHONY: venv demo test test-sqlite test-postgres wheel-smoke lint docs pg-setup clean
+.PHONY: venv demo test test-sqlite test-postgres wheel-smoke lint docs pg-setup clean chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,18 @@ test-postgres: venv
 	else \
 		echo "== PostgreSQL run skipped: not reachable (run 'make pg-setup' to create the role)"; \
 	fi
+
+# The chaos run (chaos/): workers, load and a nemesis at once, then a history checker.
+# Its own database (durable_chaos beside DURABLE_TEST_DATABASE_URL's), recreated each run.
+MINUTES ?= 2
+SEED ?= $(shell date -u +%Y%m%d)
+WORKERS ?= 3
+CHAOS_DATABASE_URL ?= $(patsubst %/,%,$(dir $(DURABLE_TEST_DATABASE_URL)))/durable_chaos
+CHAOS_ARGS ?=
+
+chaos: venv
+	$(BIN)/python -m chaos --minutes $(MINUTES) --seed $(SEED) --workers $(WORKERS) \
+		--database-url "$(CHAOS_DATABASE_URL)" $(CHAOS_ARGS)
 
 # The installed package works: the wheel, a fresh virtualenv without the dev extras, a new
 # startproject outside the checkout (scripts/wheel_smoke.sh says what it checks).

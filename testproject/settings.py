@@ -116,6 +116,7 @@ DURABLE = {
         "testproject.demo.probes",
         "testproject.demo.poison",
         "testproject.demo.workload",
+        "testproject.demo.chaos",
         *env.list("DURABLE_IMPORTS", default=[]),
     ],
 }

@@ -1,0 +1,5 @@
+"""``python -m chaos``: see :mod:`chaos.run`."""
+
+from chaos.run import main
+
+main()

@@ -1,0 +1,404 @@
+"""The history checker: pure functions from what happened to the promises it broke.
+
+Input (:class:`History`): the load generator's JSONL records (what committed, rolled back,
+or ended in doubt), the nemesis's fault log, the ledger (``FireRecord`` rows the chaos
+handlers and steps wrote, stamped with the database clock), and the final state of the
+durable tables (timers, workflow runs, schedules). Output (:class:`Verdict`): every
+invariant with its violations (each naming the operation and timer ids involved),
+operation and fault counts, and the worst lateness after each kind of fault.
+
+No database, no Django: ``tests/unit/test_chaos_checker.py`` feeds it small hand-made
+histories containing each kind of violation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+INVARIANTS = (
+    "atomic_exactly_once",
+    "external_at_least_once",
+    "never_lost",
+    "never_early",
+    "rolled_back_never_fired",
+    "cancelled_never_fired",
+    "key_scheduled_once",
+    "on_complete_once",
+    "workflow_completed_right",
+    "workflow_atomic_once",
+    "signal_consumed_once",
+    "cron_occurrence_once",
+    "poison_dead_lettered",
+    "nothing_stuck",
+    "lateness_within_bound",
+)
+FINISHED = {"fired", "failed", "canceled"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bounds:
+    """The documented times the checker holds the worker to (durable's defaults)."""
+
+    lease_ttl_s: float = 10.0
+    rescan_s: float = 2.0
+    batch_budget_s: float = 2.0
+    atomic_timeout_s: float = 5.0
+
+    @property
+    def healthy_ms(self) -> int:
+        """Lateness allowed with no fault near: two rescans and a batch budget, plus 1 s."""
+        return int((2 * self.rescan_s + self.batch_budget_s + 1) * 1000)
+
+    def after(self, fault: dict[str, Any]) -> int:
+        """Lateness allowed after ``fault``, counted from its start (or the due time)."""
+        kind = fault["kind"]
+        ttl = self.lease_ttl_s * 1000
+        span = fault.get("end_ms", fault["start_ms"]) - fault["start_ms"]
+        if kind in ("kill", "crash"):  # docs/how-to/run-the-worker.md: LEASE_TTL_S + 2 s
+            return int(ttl + 2000)
+        if kind == "stop":
+            # Resumed, or taken over once its leases expired; but a worker frozen inside
+            # its loop's transaction keeps its lease row locked (others skip it) until
+            # PostgreSQL aborts that transaction, after twice LEASE_TTL_S
+            # (durable.worker.housekeeping.guard_session).
+            return int(min(span, 2 * ttl) + 2000)
+        if kind in ("terminate", "listen"):  # reconnect, then the rescan finds what is due
+            return int(2 * self.rescan_s * 1000 + 1000)
+        if kind in ("lock", "pg_restart"):  # whatever it blocked, then a reconnect and rescan
+            return int(span + 5000 + 2 * self.rescan_s * 1000)
+        if kind == "poison_hang":  # it held its worker's loop from start to end
+            return int(span + 2000)
+        return self.healthy_ms
+
+
+@dataclass(slots=True, kw_only=True)
+class History:
+    """Everything the checker reads (plain data: lists of dicts and tuples)."""
+
+    ops: list[dict[str, Any]]
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    ledger: list[tuple[str, int, int | None]] = field(default_factory=list)
+    """``(key, fired_at_ms by the database clock, due_at_ms or None)``."""
+    timers: list[dict[str, Any]] = field(default_factory=list)
+    """Timer rows: id, state, target, args, attempts, max_attempts, fire_at_ms, key."""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """WorkflowRun rows: id, name, state, result."""
+    schedules: list[dict[str, Any]] = field(default_factory=list)
+    """CronSchedule rows: name, next_ms, skipped_count."""
+    end_ms: int = 0
+    """When the drain ended: nothing due before it may still be pending."""
+    bounds: Bounds = field(default_factory=Bounds)
+
+
+@dataclass(slots=True, kw_only=True)
+class Verdict:
+    """The checker's findings."""
+
+    violations: dict[str, list[str]] = field(default_factory=dict)
+    ops: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    lateness: dict[str, int] = field(default_factory=dict)
+    """Worst lateness (ms) after each fault kind; ``none`` for work no fault touched."""
+    checked: Counter[str] = field(default_factory=Counter)
+    """How many items each invariant looked at."""
+
+    @property
+    def ok(self) -> bool:
+        """True when no invariant has a violation."""
+        return not any(self.violations.values())
+
+    def flag(self, invariant: str, message: str) -> None:
+        self.violations.setdefault(invariant, []).append(message)
+
+
+class _Index:
+    """The history grouped by operation."""
+
+    def __init__(self, history: History) -> None:
+        self.ledger: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
+        for key, fired, due in history.ledger:
+            self.ledger[key].append((fired, due))
+        self.timers: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.timer_by_id = {t["id"]: t for t in history.timers}
+        for timer in history.timers:
+            args = timer.get("args") or []
+            if args and isinstance(args[0], str):
+                self.timers[args[0]].append(timer)
+        self.runs = {r["id"]: r for r in history.runs}
+        self.by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for op in history.ops:
+            self.by_kind[op["kind"]].append(op)
+        self.cancels: dict[str, dict[str, Any]] = {}
+        for op in self.by_kind["cancel"]:
+            if op["status"] == "committed" and op.get("result"):
+                self.cancels[op["op"]] = op
+        self.moves: dict[str, dict[str, Any]] = {}
+        for op in self.by_kind["reschedule"]:
+            if op["status"] == "committed" and op.get("result"):
+                self.moves[op["op"]] = op
+        self.children: dict[str, list[str]] = defaultdict(list)
+        for op in self.by_kind["timer"]:
+            if op.get("parent_op"):
+                self.children[op["parent_op"]].append(op["op"])
+
+    def fires(self, key: str) -> list[tuple[int, int | None]]:
+        return self.ledger.get(key, [])
+
+    def cancel_of(self, op: dict[str, Any]) -> dict[str, Any] | None:
+        """The committed successful cancel of ``op`` or of its parent, if any."""
+        return self.cancels.get(op["op"]) or (
+            self.cancels.get(op["parent_op"]) if op.get("parent_op") else None
+        )
+
+    def final_state(self, op: str) -> str:
+        """``fired`` if any of the op's rows fired (a reschedule adds a row), else the last's."""
+        rows = sorted(self.timers.get(op, []), key=lambda t: t["id"])
+        if any(t["state"] == "fired" for t in rows):
+            return "fired"
+        return rows[-1]["state"] if rows else "missing"
+
+
+def check(history: History) -> Verdict:
+    """Check every promise against ``history``; see the module docstring."""
+    verdict = Verdict()
+    idx = _Index(history)
+    verdict.ops.update(
+        f"{op['kind']}:{op['status']}" if op["status"] != "committed" else op["kind"]
+        for op in history.ops
+    )
+    verdict.faults.update(f["kind"] for f in history.faults if f["kind"] not in ("restart",))
+    _timers(history, idx, verdict)
+    _keys(idx, verdict)
+    _workflows(idx, verdict)
+    _crons(history, idx, verdict)
+    _poison(idx, verdict)
+    _ledger_early(history, verdict)
+    _stuck(history, verdict)
+    _lateness(history, idx, verdict)
+    for name in INVARIANTS:
+        verdict.violations.setdefault(name, [])
+    return verdict
+
+
+def _timers(history: History, idx: _Index, v: Verdict) -> None:
+    for op in idx.by_kind["timer"]:
+        name, status = op["op"], op["status"]
+        fires = idx.fires(name)
+        atomic = op["handler"] in ("atomic", "flaky")
+        ids = f"op {name} timer {op.get('timer_id')}"
+        if status == "rolled_back":
+            v.checked["rolled_back_never_fired"] += 1
+            if fires or idx.timers.get(name):
+                v.flag("rolled_back_never_fired", f"{ids}: rolled back, yet {len(fires)} fires")
+            continue
+        if status == "unknown":
+            if atomic and len(fires) > 1:
+                v.flag("atomic_exactly_once", f"{ids} (commit in doubt): {len(fires)} fires")
+            continue
+        state = idx.final_state(name)
+        cancel = idx.cancel_of(op)
+        if cancel is not None:
+            v.checked["cancelled_never_fired"] += 1
+            own = cancel["op"] == name
+            late = [f for f, _ in fires if f > cancel["t1"]]
+            # A child that was firing when its parent's cancel came is not cancelled: only
+            # a pending one is, and an atomic one fires (commits) all at once.
+            if (own and state == "fired") or (late and (own or atomic or state == "canceled")):
+                v.flag(
+                    "cancelled_never_fired",
+                    f"{ids}: cancel of {cancel['op']} committed by {cancel['t1']}, "
+                    f"state {state}, fired at {late or [f for f, _ in fires]}",
+                )
+        else:
+            v.checked["never_lost"] += 1
+            if state != "fired":
+                v.flag("never_lost", f"{ids}: committed, never cancelled, final state {state}")
+        if atomic:
+            v.checked["atomic_exactly_once"] += 1
+            if len(fires) != (1 if state == "fired" else 0):
+                v.flag("atomic_exactly_once", f"{ids}: state {state}, {len(fires)} fires")
+        elif state == "fired":
+            v.checked["external_at_least_once"] += 1
+            if not fires:
+                v.flag("external_at_least_once", f"{ids}: fired, but no effect in the ledger")
+        move = idx.moves.get(name)
+        due = move["due_ms"] if move else op["due_ms"]
+        v.checked["never_early"] += len(fires)
+        for fired, _ in fires:
+            if fired < due:
+                v.flag("never_early", f"{ids}: fired at {fired}, due {due} ({fired - due} ms)")
+        if op.get("on_complete") and state in FINISHED:
+            v.checked["on_complete_once"] += 1
+            follow = [k for k in idx.ledger if k.startswith(f"{name}:oc:")]
+            count = sum(len(idx.ledger[k]) for k in follow)
+            if count != 1:
+                v.flag("on_complete_once", f"{ids}: state {state}, follow-ups {follow} x{count}")
+
+
+def _keys(idx: _Index, v: Verdict) -> None:
+    for op in idx.by_kind["dup"]:
+        if op["status"] != "committed":
+            continue
+        v.checked["key_scheduled_once"] += 1
+        if op.get("again_id") != op.get("timer_id") or idx.fires(op["op"]):
+            v.flag(
+                "key_scheduled_once",
+                f"op {op['op']}: key of {op['of']} (timer {op.get('timer_id')}) scheduled again "
+                f"gave timer {op.get('again_id')}, {len(idx.fires(op['op']))} fires",
+            )
+
+
+def _workflows(idx: _Index, v: Verdict) -> None:
+    for op in idx.by_kind["workflow"]:
+        name = op["op"]
+        keys = [k for k in idx.ledger if k == name or k.startswith(f"{name}:")]
+        if op["status"] == "rolled_back":
+            v.checked["rolled_back_never_fired"] += 1
+            if keys or name in idx.runs:
+                v.flag("rolled_back_never_fired", f"run {name}: rolled back, yet ran {keys}")
+            continue
+        if op["status"] != "committed":
+            continue
+        v.checked["workflow_completed_right"] += 1
+        run = idx.runs.get(name)
+        payload = f"p-{name}" if op["signal"] else None
+        kid = f"{name}:kid" if op["child"] else None
+        total = sum(i * i + i + 1 for i in range(op["steps"]))
+        want = {"op": name, "total": total, "signal": payload, "child": kid}
+        if run is None or run["state"] != "completed" or run.get("result") != want:
+            got = (run["state"], run.get("result")) if run else "no run"
+            v.flag("workflow_completed_right", f"run {name}: {got}, expected completed {want}")
+        once = [f"{name}:atomic{i}" for i in range(op["steps"])]
+        once += [f"{name}:woke"] if op["sleep_ms"] else []
+        once += [kid] if kid else []
+        v.checked["workflow_atomic_once"] += len(once)
+        for key in once:
+            if len(idx.fires(key)) != 1:
+                v.flag("workflow_atomic_once", f"run {name}: {key} ran {len(idx.fires(key))}x")
+        for i in range(op["steps"]):
+            if not idx.fires(f"{name}:step{i}"):
+                v.flag("workflow_atomic_once", f"run {name}: outside step {i} never ran")
+        if payload:
+            v.checked["signal_consumed_once"] += 1
+            took = [k for k in keys if k.startswith(f"{name}:signal:")]
+            count = sum(len(idx.fires(k)) for k in took)
+            if took != [f"{name}:signal:{payload}"] or count != 1:
+                v.flag("signal_consumed_once", f"run {name}: signal effects {took} x{count}")
+
+
+def _crons(history: History, idx: _Index, v: Verdict) -> None:
+    rows = {s["name"]: s for s in history.schedules}
+    for op in idx.by_kind["cron"]:
+        if op["status"] != "committed":
+            continue
+        name = op["name"]
+        prefix = f"cron:{name}:"
+        occurrences = Counter(
+            int(k[len(prefix) :]) for k in idx.ledger for _ in idx.ledger[k] if k.startswith(prefix)
+        )
+        v.checked["cron_occurrence_once"] += len(occurrences)
+        dups = {o: n for o, n in occurrences.items() if n > 1}
+        if dups:
+            v.flag("cron_occurrence_once", f"schedule {name}: occurrences run twice {dups}")
+        row = rows.get(name)
+        if row is None or row.get("next_ms") is None:
+            continue
+        span = (row["next_ms"] - op["first_ms"]) // op["interval_ms"]
+        counted = len(occurrences) + row.get("skipped_count", 0)
+        if counted != span:
+            v.flag(
+                "cron_occurrence_once",
+                f"schedule {name}: {len(occurrences)} run + {row.get('skipped_count', 0)} "
+                f"skipped != {span} occurrences up to {row['next_ms']}",
+            )
+
+
+def _poison(idx: _Index, v: Verdict) -> None:
+    for op in idx.by_kind["poison"]:
+        if op["status"] != "committed":
+            continue
+        v.checked["poison_dead_lettered"] += 1
+        timer = idx.timer_by_id.get(op["timer_id"])
+        if timer is None or timer["state"] != "failed" or timer["attempts"] > timer["max_attempts"]:
+            got = (timer["state"], timer["attempts"], timer["max_attempts"]) if timer else None
+            v.flag(
+                "poison_dead_lettered",
+                f"op {op['op']} timer {op['timer_id']} ({op['handler']} {op['poison']}): "
+                f"(state, attempts, max) = {got}",
+            )
+
+
+def _ledger_early(history: History, v: Verdict) -> None:
+    """Every ledger row that knows its due time ran at or after it (timers: their row's)."""
+    for key, fired, due in history.ledger:
+        if due is not None:
+            v.checked["never_early"] += 1
+            if fired < due:
+                v.flag("never_early", f"{key}: fired at {fired}, due {due} ({fired - due} ms)")
+
+
+def _stuck(history: History, v: Verdict) -> None:
+    grace = int(history.bounds.lease_ttl_s * 1000)
+    for timer in history.timers:
+        v.checked["nothing_stuck"] += 1
+        overdue = timer["state"] == "pending" and timer["fire_at_ms"] < history.end_ms - grace
+        if timer["state"] == "firing" or overdue:
+            v.flag(
+                "nothing_stuck",
+                f"timer {timer['id']} ({timer['target']} {timer.get('args')}) left "
+                f"{timer['state']}, due {timer['fire_at_ms']}, drain ended {history.end_ms}",
+            )
+    for run in history.runs:
+        if run["state"] in ("running", "pending"):
+            v.flag("nothing_stuck", f"run {run['id']} left {run['state']}")
+
+
+def _lateness(history: History, idx: _Index, v: Verdict) -> None:
+    """Each fire's lateness against the bound of the worst fault that could explain it."""
+    bounds = history.bounds
+    faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
+    for op in idx.by_kind["poison"]:
+        timer = idx.timer_by_id.get(op.get("timer_id"))
+        if timer and op["poison"] == "hang" and op["handler"] == "atomic_poison":
+            # It holds its worker's loop for the timeout, on each attempt, ending at its
+            # last update (the dead letter).
+            end = timer.get("updated_ms") or op["due_ms"]
+            spent = timer["attempts"] * bounds.atomic_timeout_s * 1000 + 1000
+            start = max(op["due_ms"], int(end - spent))
+            faults.append(
+                {"kind": "poison_hang", "start_ms": start, "end_ms": end, "target": op["op"]}
+            )
+    samples: list[tuple[str, int, int]] = []  # (what, due, fired)
+    for op in idx.by_kind["timer"]:
+        fires = idx.fires(op["op"])
+        if op["status"] == "committed" and fires and op.get("fail_times", 0) == 0:
+            move = idx.moves.get(op["op"])
+            samples.append((op["op"], move["due_ms"] if move else op["due_ms"], min(fires)[0]))
+    for key, fired, due in history.ledger:
+        if due is not None and not key.startswith("t"):
+            samples.append((key, due, fired))
+    worst: dict[str, int] = {}
+    for what, due, fired in samples:
+        allowed = due + bounds.healthy_ms
+        cover = []
+        for fault in faults:
+            start = fault["start_ms"]
+            bound = bounds.after(fault)
+            if start <= fired and due <= fault.get("end_ms", start) + bound:
+                cover.append((fault, fired - max(due, start)))
+                allowed = max(allowed, max(due, start) + bound)
+        for fault, late in cover:
+            worst[fault["kind"]] = max(worst.get(fault["kind"], 0), late)
+        if not cover:
+            worst["none"] = max(worst.get("none", 0), fired - due)
+        v.checked["lateness_within_bound"] += 1
+        if fired > allowed:
+            near = [f"{f['kind']}@{f['start_ms']}" for f, _ in cover] or ["no fault"]
+            v.flag(
+                "lateness_within_bound",
+                f"{what}: due {due}, fired {fired} ({fired - due} ms late), allowed "
+                f"{allowed - due} ms; faults: {', '.join(near)}",
+            )
+    v.lateness = worst

@@ -1,0 +1,272 @@
+"""The chaos run's orchestrator: ``python -m chaos`` (``make chaos``).
+
+1. (Re)creates the run's own PostgreSQL database (``--database-url``, by default
+   ``durable_chaos`` on the local server; never the tests' database) and migrates it; or,
+   with ``--pg-restart``, a throwaway cluster it owns (initdb in a temporary directory,
+   root needed), the only kind of server the nemesis may restart.
+2. Starts ``--workers`` ``run_timer_shards`` processes with durable's DEFAULT settings
+   (only the database and the chaos handlers' module are set) and waits until they own
+   every shard.
+3. Runs the load generator (:mod:`chaos.load`) for ``--minutes`` while the nemesis
+   (:mod:`chaos.nemesis`) strikes at seeded random times.
+4. Heals everything, drains (waits until nothing due is left, up to ``--drain-s``),
+   stops the workers, and gives the history and the tables to the checker.
+5. Prints the table; on any violation, the seed, the fault schedule and the ids, and
+   exits 1. Everything (history, faults, worker logs, verdict) stays in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+REPO = Path(__file__).resolve().parents[1]
+TIMER_FIELDS = ("id", "state", "target", "args", "attempts", "max_attempts", "fire_at_ms")
+TIMER_FIELDS += ("key", "updated_at")
+DEFAULT_URL = "postgres://durable:durable@127.0.0.1:5432/durable_chaos"
+
+
+def default_seed() -> int:
+    """Today's date as a number (20261201): CI rotates seeds by the day."""
+    return int(dt.datetime.now(dt.UTC).strftime("%Y%m%d"))
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def recreate_database(url: str) -> None:
+    """Drop and create the database ``url`` names (connecting to ``postgres`` to do it)."""
+    import psycopg
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    if not name or name in ("postgres", "template0", "template1"):
+        raise SystemExit(f"--database-url: refusing to recreate database {name!r}")
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=None, help="default: today (YYYYMMDD)")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=25.0, help="load operations per second")
+    parser.add_argument("--fault-every-s", type=float, default=5.0, help="mean time between")
+    parser.add_argument("--drain-s", type=float, default=120.0)
+    parser.add_argument("--database-url", default=os.environ.get("CHAOS_DATABASE_URL", DEFAULT_URL))
+    parser.add_argument(
+        "--pg-restart",
+        action="store_true",
+        help="run on a throwaway cluster (initdb, root) and add PostgreSQL restarts",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.workers < 2:
+        parser.error("--workers: at least 2 (the nemesis keeps one up while it kills another)")
+    if args.seed is None:
+        args.seed = default_seed()
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run, check, report; exit 1 on any violation."""
+    args = parse(argv)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    out: Path = args.out or REPO / ".chaos" / f"{stamp}-seed{args.seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = None
+    restart_db = None
+    url = args.database_url
+    if args.pg_restart:
+        from durable.testing.cluster import TemporaryCluster
+
+        cluster = TemporaryCluster()
+        cluster.start()
+        url = cluster.create_database("durable_chaos")
+        restart_db = cluster.restart
+    else:
+        recreate_database(url)
+    try:
+        ok = run(args, url, out, restart_db)
+    finally:
+        if cluster is not None:
+            cluster.destroy()
+    sys.exit(0 if ok else 1)
+
+
+def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
+    os.environ["DATABASE_URL"] = url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
+    for key in [k for k in os.environ if k.startswith("DURABLE_")]:
+        del os.environ[key]  # the workers and this process run durable's defaults
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0, interactive=False)
+    from chaos.nemesis import Nemesis
+    from tests.acceptance.helpers import WorkerPool
+
+    print(f"chaos: seed {args.seed}, {args.minutes} min, {args.workers} workers, out {out}")
+    pool = WorkerPool(
+        database_url=url,
+        log_dir=out,
+        defaults=True,
+        env={"DURABLE_IMPORTS": "testproject.demo.chaos", "DURABLE_LOG_LEVEL": "INFO"},
+    )
+    names = [f"w{i + 1}" for i in range(args.workers)]
+    faults_path = out / "faults.jsonl"
+    history_path = out / "history.jsonl"
+    t0_ms = wall_ms()
+    try:
+        for name in names:
+            pool.start(name)
+        wait_for_shards(pool, names)
+        with faults_path.open("w") as faults_log:
+            nemesis = Nemesis(
+                pool=pool,
+                names=names,
+                seed=args.seed,
+                dsn=url,
+                log=faults_log,
+                mean_interval_s=args.fault_every_s,
+                restart_db=restart_db,
+            )
+            load = start_load(args, history_path, out)
+            while load.poll() is None:
+                nemesis.tick()
+                nemesis.watch_crashes()
+                time.sleep(0.1)
+            nemesis.heal_all()
+            if load.returncode != 0:
+                print(f"chaos: the load generator exited {load.returncode}; see {out}/load.log")
+            drained = drain(pool, nemesis, args.drain_s)
+            end_ms = wall_ms()
+            print(
+                f"chaos: drained in {drained:.1f} s" if drained >= 0 else "chaos: drain timed out"
+            )
+    finally:
+        pool.stop_all()
+    return check_and_report(args, out, t0_ms, end_ms)
+
+
+def start_load(args: argparse.Namespace, history: Path, out: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "chaos.load",
+        "--history",
+        str(history),
+        "--seed",
+        str(args.seed),
+        "--seconds",
+        str(args.minutes * 60),
+        "--rate",
+        str(args.rate),
+    ]
+    log = (out / "load.log").open("ab")
+    return subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log)
+
+
+def wait_for_shards(pool: Any, names: list[str], timeout_s: float = 90.0) -> None:
+    from durable.conf import get_settings
+    from durable.models import ShardLease
+
+    shards = get_settings().SHARDS
+    pool.wait_until(
+        lambda: ShardLease.objects.filter(owner__in=names).count() == shards,
+        timeout_s=timeout_s,
+        what="the workers owning every shard",
+    )
+
+
+def drain(pool: Any, nemesis: Any, timeout_s: float) -> float:
+    """Wait until nothing due is left; return the seconds it took, or -1 on timeout."""
+    from durable.models import Timer, WorkflowRun
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        nemesis.watch_crashes()
+        nemesis.heal_all()
+        due = Timer.objects.filter(state="pending", fire_at_ms__lte=wall_ms()).exists()
+        busy = Timer.objects.filter(state="firing").exists()
+        runs = WorkflowRun.objects.filter(state__in=["pending", "running", "sleeping"]).exists()
+        if not (due or busy or runs):
+            return time.monotonic() - start
+        time.sleep(0.5)
+    return -1.0
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int) -> bool:
+    from chaos import checker, report
+    from durable.conf import get_settings
+    from durable.models import CronSchedule, Timer, WorkflowRun
+    from testproject.demo.models import FireRecord
+
+    conf = get_settings()
+    bounds = checker.Bounds(
+        lease_ttl_s=conf.LEASE_TTL_S,
+        rescan_s=conf.RESCAN_INTERVAL_S,
+        batch_budget_s=conf.BATCH_TIME_BUDGET_S,
+        atomic_timeout_s=conf.ATOMIC_TIMEOUT_S,
+    )
+    faults = read_jsonl(out / "faults.jsonl")
+    history = checker.History(
+        ops=read_jsonl(out / "history.jsonl"),
+        faults=faults,
+        ledger=list(FireRecord.objects.values_list("key", "fired_at_ms", "due_at_ms")),
+        timers=[
+            {**row, "updated_ms": int(row.pop("updated_at").timestamp() * 1000)}
+            for row in Timer.objects.values(*TIMER_FIELDS)
+        ],
+        runs=list(WorkflowRun.objects.values("id", "name", "state", "result")),
+        schedules=list(CronSchedule.objects.values("name", "next_ms", "skipped_count")),
+        end_ms=end_ms,
+        bounds=bounds,
+    )
+    verdict = checker.check(history)
+    (out / "verdict.json").write_text(
+        json.dumps(
+            {
+                "seed": args.seed,
+                "minutes": args.minutes,
+                "workers": args.workers,
+                "ok": verdict.ok,
+                "faults": verdict.faults,
+                "ops": verdict.ops,
+                "checked": verdict.checked,
+                "lateness_ms": verdict.lateness,
+                "violations": verdict.violations,
+            },
+            indent=1,
+        )
+    )
+    print(report.table(verdict))
+    if not verdict.ok:
+        replay = f"make chaos SEED={args.seed} MINUTES={args.minutes:g} WORKERS={args.workers}"
+        print(
+            report.failure_details(
+                verdict, seed=args.seed, faults=faults, t0_ms=t0_ms, replay=replay
+            )
+        )
+    print(f"\nchaos: {'OK' if verdict.ok else 'FAILED'} (seed {args.seed}); files in {out}")
+    return verdict.ok

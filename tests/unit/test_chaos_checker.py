@@ -1,0 +1,216 @@
+"""The chaos run's checker catches every kind of broken promise (no database, no workers).
+
+A small hand-made history that keeps every promise passes; each test then breaks one
+promise the way a bug would (a second fire, an early one, a lost one, ...) and the
+checker must name that invariant and the ids involved.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from chaos.checker import INVARIANTS, Bounds, History, check
+
+END = 100_000
+
+
+def ok_op(kind: str, op: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "op": op, "status": "committed", "t0": 0, "t1": 10, **fields}
+
+
+def timer(id_: int, op: str, state: str = "fired", **fields: Any) -> dict[str, Any]:
+    row = {"id": id_, "state": state, "target": "testproject.demo.chaos.atomic", "args": [op]}
+    return {"attempts": 1, "max_attempts": 5, "fire_at_ms": 1000, "key": None, **row, **fields}
+
+
+def clean() -> History:
+    """Every promise kept: atomic, external, rolled back, cancelled, keyed, follow-up,
+    workflow, schedule and poison work."""
+    result = {"op": "w6", "total": 4, "signal": "p-w6", "child": "w6:kid"}  # 0+1 + 1+2
+    return History(
+        ops=[
+            ok_op("timer", "t1", handler="atomic", due_ms=1000, timer_id=1),
+            ok_op("timer", "t2", handler="external", due_ms=1000, timer_id=2),
+            ok_op("timer", "t3", handler="atomic", due_ms=1000, status="rolled_back"),
+            ok_op("timer", "t4", handler="atomic", due_ms=1500, timer_id=4),
+            ok_op("cancel", "t4", timer_id=4, result=True, t1=1200),
+            ok_op("timer", "t5", handler="atomic", due_ms=1000, timer_id=5, on_complete=True),
+            ok_op("dup", "t1-dup", of="t1", timer_id=1, again_id=1),
+            ok_op("workflow", "w6", steps=2, sleep_ms=500, signal=True, child=True),
+            ok_op("cron", "", name="c", first_ms=0, interval_ms=1000),
+            ok_op("poison", "p7", handler="atomic_poison", poison="SystemExit", timer_id=7),
+            ok_op("timer", "t8", handler="atomic", due_ms=6000, timer_id=8),
+            ok_op("timer", "t9", handler="atomic", due_ms=5000, timer_id=9, parent_op="t8"),
+            ok_op("cancel", "t8", timer_id=8, result=True, t1=2000),
+        ],
+        ledger=[
+            ("t1", 1100, 1000),
+            ("t2", 1200, 1000),
+            ("t2", 1300, 1000),  # external: at least once, a second run is allowed
+            ("t5", 1100, 1000),
+            ("t5:oc:success", 1150, None),
+            ("w6:step0", 2000, None),
+            ("w6:atomic0", 2010, None),
+            ("w6:step1", 2020, None),
+            ("w6:step1", 2025, None),  # an outside step may run again
+            ("w6:atomic1", 2030, None),
+            ("w6:woke", 2600, 2530),
+            ("w6:signal:p-w6", 2700, None),
+            ("w6:kid", 2800, None),
+            ("cron:c:0", 10, 0),
+            ("cron:c:2000", 2010, 2000),
+        ],
+        timers=[
+            timer(1, "t1"),
+            timer(2, "t2", target="testproject.demo.chaos.external"),
+            timer(4, "t4", "canceled", fire_at_ms=1500),
+            timer(5, "t5"),
+            timer(7, "SystemExit", "failed", attempts=2, max_attempts=2),
+            timer(8, "t8", "canceled", fire_at_ms=6000),
+            timer(9, "t9", "canceled", fire_at_ms=5000),
+        ],
+        runs=[
+            {"id": "w6", "name": "flow", "state": "completed", "result": result},
+            {"id": "w6-kid", "name": "kid_flow", "state": "completed", "result": "w6:kid"},
+        ],
+        schedules=[{"name": "c", "next_ms": 3000, "skipped_count": 1}],  # 1000 skipped
+        end_ms=END,
+    )
+
+
+def flagged(history: History) -> dict[str, list[str]]:
+    return {name: found for name, found in check(history).violations.items() if found}
+
+
+def test_a_history_that_keeps_every_promise_passes_and_each_invariant_looked_at_something():
+    verdict = check(clean())
+    assert verdict.ok, verdict.violations
+    assert set(verdict.violations) == set(INVARIANTS)
+    assert [name for name in INVARIANTS if verdict.checked[name] == 0] == []
+    assert verdict.ops["timer"] == 6 and verdict.ops["timer:rolled_back"] == 1
+
+
+def broken(change) -> History:
+    history = copy.deepcopy(clean())
+    change(history)
+    return history
+
+
+def rows(history: History, op: str) -> list[dict[str, Any]]:
+    return [t for t in history.timers if t["args"] == [op]]
+
+
+@pytest.mark.parametrize(
+    ("invariant", "change", "names"),
+    [
+        ("atomic_exactly_once", lambda h: h.ledger.append(("t1", 1150, 1000)), "t1"),
+        (
+            "external_at_least_once",
+            lambda h: h.ledger.__setitem__(slice(None), [r for r in h.ledger if r[0] != "t2"]),
+            "t2",
+        ),
+        ("never_lost", lambda h: rows(h, "t1")[0].update(state="pending"), "t1"),
+        ("never_early", lambda h: h.ledger.__setitem__(0, ("t1", 999, 1000)), "t1"),
+        ("never_early", lambda h: h.ledger.append(("cron:c:1000", 990, 1000)), "cron:c:1000"),
+        (
+            "never_early",  # a committed reschedule moved the due time later
+            lambda h: h.ops.append(ok_op("reschedule", "t1", result=True, due_ms=3000)),
+            "t1",
+        ),
+        ("rolled_back_never_fired", lambda h: h.ledger.append(("t3", 1100, 1000)), "t3"),
+        (
+            "rolled_back_never_fired",
+            lambda h: (
+                h.ops.append(
+                    ok_op(
+                        "workflow",
+                        "w66",
+                        status="rolled_back",
+                        steps=1,
+                        sleep_ms=0,
+                        signal=False,
+                        child=False,
+                    )
+                )
+                or h.ledger.append(("w66:atomic0", 10, None))
+            ),
+            "w66",
+        ),
+        (
+            "cancelled_never_fired",
+            lambda h: h.ledger.append(("t4", 1600, 1500)) or rows(h, "t4")[0].update(state="fired"),
+            "t4",
+        ),
+        (
+            "cancelled_never_fired",  # the cascade missed a pending child
+            lambda h: h.ledger.append(("t9", 5000, 5000)) or rows(h, "t9")[0].update(state="fired"),
+            "t9",
+        ),
+        ("key_scheduled_once", lambda h: h.ops[6].update(again_id=99), "t1-dup"),
+        ("key_scheduled_once", lambda h: h.ledger.append(("t1-dup", 1100, 1000)), "t1-dup"),
+        ("on_complete_once", lambda h: h.ledger.append(("t5:oc:success", 1160, None)), "t5"),
+        ("on_complete_once", lambda h: h.ledger.remove(("t5:oc:success", 1150, None)), "t5"),
+        ("workflow_completed_right", lambda h: h.runs[0]["result"].update(total=5), "w6"),
+        ("workflow_completed_right", lambda h: h.runs[0].update(state="failed"), "w6"),
+        ("workflow_atomic_once", lambda h: h.ledger.append(("w6:atomic1", 2040, None)), "w6"),
+        ("workflow_atomic_once", lambda h: h.ledger.remove(("w6:kid", 2800, None)), "w6"),
+        ("workflow_atomic_once", lambda h: h.ledger.remove(("w6:step0", 2000, None)), "w6"),
+        ("signal_consumed_once", lambda h: h.ledger.append(("w6:signal:p-w6", 2710, None)), "w6"),
+        ("cron_occurrence_once", lambda h: h.ledger.append(("cron:c:2000", 2020, 2000)), "c"),
+        ("cron_occurrence_once", lambda h: h.schedules[0].update(skipped_count=0), "c"),
+        ("poison_dead_lettered", lambda h: h.timers[4].update(state="fired"), "p7"),
+        ("poison_dead_lettered", lambda h: h.timers[4].update(attempts=3), "p7"),
+        ("nothing_stuck", lambda h: h.timers.append(timer(50, "t50", "firing")), "timer 50"),
+        ("nothing_stuck", lambda h: h.timers.append(timer(51, "t51", "pending")), "timer 51"),
+        ("nothing_stuck", lambda h: h.runs[1].update(state="running"), "w6-kid"),
+        ("lateness_within_bound", lambda h: h.ledger.__setitem__(0, ("t1", 9000, 1000)), "t1"),
+    ],
+)
+def test_each_broken_promise_is_caught_and_named(invariant, change, names):
+    found = flagged(broken(change))
+    assert invariant in found, found
+    assert any(names in message for message in found[invariant]), found[invariant]
+
+
+def test_a_commit_in_doubt_may_have_fired_once_but_not_twice():
+    def in_doubt(h: History) -> None:
+        h.ops[0]["status"] = "unknown"
+
+    assert check(broken(in_doubt)).ok
+    twice = broken(lambda h: in_doubt(h) or h.ledger.append(("t1", 1150, 1000)))
+    assert "atomic_exactly_once" in flagged(twice)
+
+
+def test_lateness_is_allowed_the_documented_recovery_after_a_fault_and_no_more():
+    bounds = Bounds()  # LEASE_TTL_S 10 s: a SIGKILL allows 12 s from the kill
+    kill = {"kind": "kill", "start_ms": 2000, "end_ms": 2000, "target": "w1"}
+
+    def late_by(fired: int) -> History:
+        def change(h: History) -> None:
+            h.faults.append(kill)
+            h.ledger[0] = ("t1", fired, 1000)
+
+        return broken(change)
+
+    within = check(late_by(2000 + 12_000))
+    assert within.ok, within.violations
+    assert within.lateness["kill"] == 12_000
+    beyond = flagged(late_by(2000 + 12_001))
+    assert "kill@2000" in beyond["lateness_within_bound"][0]
+    # Without a fault, the healthy bound applies (two rescans + batch budget + 1 s).
+    assert bounds.healthy_ms == 7_000
+    healthy = broken(lambda h: h.ledger.__setitem__(0, ("t1", 1000 + 7_000, 1000)))
+    assert check(healthy).ok
+    late = broken(lambda h: h.ledger.__setitem__(0, ("t1", 1000 + 7_001, 1000)))
+    assert "no fault" in flagged(late)["lateness_within_bound"][0]
+
+
+def test_a_stop_allows_its_own_length_up_to_the_frozen_transaction_timeout():
+    bounds = Bounds()  # a frozen loop's transaction is aborted after 2 x LEASE_TTL_S
+    short = {"kind": "stop", "start_ms": 0, "end_ms": 3000}
+    long = {"kind": "stop", "start_ms": 0, "end_ms": 60_000}
+    assert bounds.after(short) == 5000
+    assert bounds.after(long) == 22_000
