@@ -100,7 +100,11 @@ class Verdict:
     ops: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     lateness: dict[str, int] = field(default_factory=dict)
-    """Worst lateness (ms) after each fault kind; ``none`` for work no fault touched."""
+    """Worst lateness (ms) after each fault kind, counted from the fault's start (or the
+    due time, if later); ``none``: work no fault could have delayed, counted from its due
+    time. Each late fire counts for the fault that explains the most lateness."""
+    worst: dict[str, str] = field(default_factory=dict)
+    """For each kind in :attr:`lateness`, the fire behind the figure (ids and times)."""
     checked: Counter[str] = field(default_factory=Counter)
     """How many items each invariant looked at."""
 
@@ -385,17 +389,26 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
         cover = []
         for fault in faults:
             start = fault["start_ms"]
-            bound = bounds.after(fault)
-            if start <= fired and due <= fault.get("end_ms", start) + bound:
-                cover.append((fault, fired - max(due, start)))
-                allowed = max(allowed, max(due, start) + bound)
-        for fault, late in cover:
-            worst[fault["kind"]] = max(worst.get(fault["kind"], 0), late)
-        if not cover:
-            worst["none"] = max(worst.get("none", 0), fired - due)
+            # A fault explains a late fire if it began before the fire was due (give or
+            # take the healthy lateness) and still held at the due time.
+            began = start <= min(fired, due + bounds.healthy_ms)
+            if began and due <= fault.get("end_ms", start) + bounds.after(fault):
+                cover.append(fault)
+                allowed = max(allowed, max(due, start) + bounds.after(fault))
+        if cover:
+            # The fault that explains the most lateness; figures count from its start.
+            culprit = max(cover, key=lambda f: max(due, f["start_ms"]) + bounds.after(f))
+            kind, late = culprit["kind"], fired - max(due, culprit["start_ms"])
+        else:
+            kind, late = "none", fired - due
+        if late >= worst.get(kind, -1):
+            worst[kind] = late
+            v.worst[kind] = f"{what}: due {due}, fired {fired}" + (
+                f", {kind} at {culprit['start_ms']} ({culprit.get('target')})" if cover else ""
+            )
         v.checked["lateness_within_bound"] += 1
         if fired > allowed:
-            near = [f"{f['kind']}@{f['start_ms']}" for f, _ in cover] or ["no fault"]
+            near = [f"{f['kind']}@{f['start_ms']}" for f in cover] or ["no fault"]
             v.flag(
                 "lateness_within_bound",
                 f"{what}: due {due}, fired {fired} ({fired - due} ms late), allowed "

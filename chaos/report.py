@@ -26,7 +26,7 @@ def table(verdict: Verdict) -> str:
         lines.append(f"  {name:<28} {verdict.checked.get(name, 0):>8,} {bad:>10,}{mark}")
     lines += ["", "worst lateness after each kind of fault (ms)", "----------"]
     for kind, worst in sorted(verdict.lateness.items()):
-        lines.append(f"  {kind:<28} {worst:>10,}")
+        lines.append(f"  {kind:<28} {worst:>10,}   {verdict.worst.get(kind, '')}")
     return "\n".join(lines)
 
 

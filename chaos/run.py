@@ -72,6 +72,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run on a throwaway cluster (initdb, root) and add PostgreSQL restarts",
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--recheck",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="check a finished run again (its files in DIR, its database still there)",
+    )
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers: at least 2 (the nemesis keeps one up while it kills another)")
@@ -83,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run, check, report; exit 1 on any violation."""
     args = parse(argv)
+    if args.recheck is not None:
+        sys.exit(0 if recheck(args) else 1)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     out: Path = args.out or REPO / ".chaos" / f"{stamp}-seed{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
@@ -155,12 +164,24 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
                 print(f"chaos: the load generator exited {load.returncode}; see {out}/load.log")
             drained = drain(pool, nemesis, args.drain_s)
             end_ms = wall_ms()
+            (out / "run.json").write_text(json.dumps({"t0_ms": t0_ms, "end_ms": end_ms}))
             print(
                 f"chaos: drained in {drained:.1f} s" if drained >= 0 else "chaos: drain timed out"
             )
     finally:
         pool.stop_all()
     return check_and_report(args, out, t0_ms, end_ms)
+
+
+def recheck(args: argparse.Namespace) -> bool:
+    """Check the run in ``args.recheck`` again (after a change to the checker)."""
+    os.environ["DATABASE_URL"] = args.database_url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
+    import django
+
+    django.setup()
+    times = json.loads((args.recheck / "run.json").read_text())
+    return check_and_report(args, args.recheck, times["t0_ms"], times["end_ms"])
 
 
 def start_load(args: argparse.Namespace, history: Path, out: Path) -> subprocess.Popen[bytes]:
@@ -255,6 +276,7 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
                 "ops": verdict.ops,
                 "checked": verdict.checked,
                 "lateness_ms": verdict.lateness,
+                "worst": verdict.worst,
                 "violations": verdict.violations,
             },
             indent=1,

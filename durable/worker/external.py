@@ -24,10 +24,11 @@ import logging
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, connections, transaction
 
 from durable.conf import DurableSettings
 from durable.core.clock import Clock
@@ -43,6 +44,11 @@ from durable.worker.outcomes import Outcomes, Readd, json_value
 
 # The pool and its connection rule are durable.worker.pool; engine.py imports them from here.
 from durable.worker.pool import HandlerPool, tidy_connections
+
+#: A completion that fails on a database error is retried on a new connection after this
+#: pause, doubled each time up to the maximum (see ``ExternalRunner._complete_retrying``).
+COMPLETE_RETRY_S = 0.25
+COMPLETE_RETRY_MAX_S = 5.0
 
 log = logging.getLogger("durable.worker")
 
@@ -216,7 +222,7 @@ class ExternalRunner:
     def _settle(self, entry: Running, value: Any, error: BaseException | None) -> None:
         readd: list[Readd] = []
         try:
-            self.complete(entry, value, error, readd)
+            self._complete_retrying(entry, value, error, readd)
         except LeaseLost as exc:
             event(
                 log,
@@ -234,6 +240,33 @@ class ExternalRunner:
             self._done(entry)
 
     # -- completion (pool thread or the loop's watchdog) ----------------------------------
+
+    def _complete_retrying(
+        self, entry: Running, value: Any, error: BaseException | None, readd: list[Readd]
+    ) -> None:
+        """:meth:`complete`, again on a new connection while the database is unreachable.
+
+        A handler can leave its thread's connection broken (its session terminated, the
+        server restarting): given up on, the claim would stay ``firing`` under a live
+        owner until ``CLAIM_TIMEOUT_S``, so this retries with backoff for that long (past
+        it, any owner re-runs the timer anyway). :meth:`complete` is safe to repeat: once
+        an outcome committed the claim no longer stands, and a repeat does nothing.
+        """
+        give_up = time.monotonic() + self.conf.CLAIM_TIMEOUT_S
+        pause = COMPLETE_RETRY_S
+        while True:
+            outcome: list[Readd] = []
+            try:
+                self.complete(entry, value, error, outcome)
+            except DatabaseError:
+                if time.monotonic() + pause > give_up:
+                    raise
+                connections[self.db].close()  # the next query opens a new one
+                time.sleep(pause)
+                pause = min(pause * 2, COMPLETE_RETRY_MAX_S)
+                continue
+            readd.extend(outcome)
+            return
 
     def complete(
         self, entry: Running, value: Any, error: BaseException | None, readd: list[Readd]

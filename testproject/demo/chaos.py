@@ -146,3 +146,18 @@ def kid_done(op: str) -> str:
 def kid_flow(ctx: durable.WorkflowContext, op: str) -> str:
     """A child run: one atomic step."""
     return str(ctx.atomic(kid_done, op))
+
+
+@durable.handler(atomic=False, max_attempts=2)
+def drop_own_session(key: str) -> str:
+    """External: records ``key``, then its database session is terminated (as the chaos
+    run's nemesis does), so the worker completes the timer on a broken connection."""
+    from django.db import DatabaseError
+
+    ledger(key, _due())
+    try:
+        with connections[get_settings().DATABASE].cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    except DatabaseError:
+        pass  # the session is gone: what the worker does next is under test
+    return key

@@ -1,0 +1,48 @@
+"""An external timer whose completion meets a dropped database session still completes.
+
+Found by the chaos run (``make chaos``, seed 20261201): the nemesis terminated a worker's
+sessions (``pg_terminate_backend``) while external handlers ran; the handler thread's
+completion failed with "the connection is lost", was only logged, and the timer stayed
+``firing`` under its live owner's claim until a takeover or ``CLAIM_TIMEOUT_S`` (300 s)
+later (77 s late in that run). The completion is now retried on a new connection.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import durable
+from durable.models import Timer
+from testproject.demo import chaos
+from testproject.demo.models import FireRecord
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def engine(start_engine):
+    return start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0})
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_completion_on_a_dropped_session_is_retried_not_left_firing(engine, clock):
+    timer = durable.schedule(chaos.drop_own_session, args=["dropped"])
+    clock.advance(1_000)
+    engine.tick()
+    assert wait_for(lambda: Timer.objects.get(pk=timer.pk).state != "firing"), (
+        "the timer was left firing after its completion met a dropped session"
+    )
+    row = Timer.objects.get(pk=timer.pk)
+    assert (row.state, row.attempts) == ("fired", 1)
+    assert list(FireRecord.objects.values_list("key", flat=True)) == ["dropped"]
+    assert engine.firer.in_flight == 0
