@@ -48,12 +48,14 @@ test-postgres: venv
 MINUTES ?= 2
 SEED ?= $(shell date -u +%Y%m%d)
 WORKERS ?= 3
+# fail: lateness past the documented bounds fails the run; report: printed only.
+LATENESS ?= fail
 CHAOS_DATABASE_URL ?= $(patsubst %/,%,$(dir $(DURABLE_TEST_DATABASE_URL)))/durable_chaos
 CHAOS_ARGS ?=
 
 chaos: venv
 	$(BIN)/python -m chaos --minutes $(MINUTES) --seed $(SEED) --workers $(WORKERS) \
-		--database-url "$(CHAOS_DATABASE_URL)" $(CHAOS_ARGS)
+		--lateness $(LATENESS) --database-url "$(CHAOS_DATABASE_URL)" $(CHAOS_ARGS)
 
 # The installed package works: the wheel, a fresh virtualenv without the dev extras, a new
 # startproject outside the checkout (scripts/wheel_smoke.sh says what it checks).

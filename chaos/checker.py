@@ -105,13 +105,15 @@ class Verdict:
     time. Each late fire counts for the fault that explains the most lateness."""
     worst: dict[str, str] = field(default_factory=dict)
     """For each kind in :attr:`lateness`, the fire behind the figure (ids and times)."""
+    reported: frozenset[str] = frozenset()
+    """Invariants whose violations are reported without failing the run."""
     checked: Counter[str] = field(default_factory=Counter)
     """How many items each invariant looked at."""
 
     @property
     def ok(self) -> bool:
-        """True when no invariant has a violation."""
-        return not any(self.violations.values())
+        """True when no invariant that fails the run has a violation."""
+        return not any(v for name, v in self.violations.items() if name not in self.reported)
 
     def flag(self, invariant: str, message: str) -> None:
         self.violations.setdefault(invariant, []).append(message)
@@ -164,9 +166,13 @@ class _Index:
         return rows[-1]["state"] if rows else "missing"
 
 
-def check(history: History) -> Verdict:
-    """Check every promise against ``history``; see the module docstring."""
-    verdict = Verdict()
+def check(history: History, *, report_only: frozenset[str] = frozenset()) -> Verdict:
+    """Check every promise against ``history``; see the module docstring.
+
+    ``report_only``: invariants whose violations are counted and printed but do not
+    make :attr:`Verdict.ok` false.
+    """
+    verdict = Verdict(reported=report_only)
     idx = _Index(history)
     verdict.ops.update(
         f"{op['kind']}:{op['status']}" if op["status"] != "committed" else op["kind"]

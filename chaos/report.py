@@ -23,6 +23,8 @@ def table(verdict: Verdict) -> str:
     for name in INVARIANTS:
         bad = len(verdict.violations.get(name, []))
         mark = "" if bad == 0 else "   <-- FAILED"
+        if bad and name in verdict.reported:
+            mark = "   <-- reported (not failing the run)"
         lines.append(f"  {name:<28} {verdict.checked.get(name, 0):>8,} {bad:>10,}{mark}")
     lines += ["", "worst lateness after each kind of fault (ms)", "----------"]
     for kind, worst in sorted(verdict.lateness.items()):
@@ -34,7 +36,8 @@ def failure_details(
     verdict: Verdict, *, seed: int, faults: list[dict[str, Any]], t0_ms: int, replay: str
 ) -> str:
     """What a failed run needs to be replayed: seed, fault schedule, ids per violation."""
-    lines = ["", f"CHAOS RUN FAILED  seed={seed}", f"replay: {replay}", "", "fault schedule:"]
+    state = "FAILED" if not verdict.ok else "PASSED, WITH REPORTED VIOLATIONS"
+    lines = ["", f"CHAOS RUN {state}  seed={seed}", f"replay: {replay}", "", "fault schedule:"]
     for fault in faults:
         at = (fault["start_ms"] - t0_ms) / 1000
         rest = {k: v for k, v in fault.items() if k not in ("kind", "start_ms")}

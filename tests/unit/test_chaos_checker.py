@@ -214,3 +214,38 @@ def test_a_stop_allows_its_own_length_up_to_the_frozen_transaction_timeout():
     long = {"kind": "stop", "start_ms": 0, "end_ms": 60_000}
     assert bounds.after(short) == 5000
     assert bounds.after(long) == 22_000
+
+
+def test_a_fault_that_began_after_the_fire_was_due_explains_none_of_its_lateness():
+    def change(h: History) -> None:
+        h.faults.append({"kind": "terminate", "start_ms": 38_000, "end_ms": 38_000})
+        h.ledger[0] = ("t1", 40_000, 1000)
+
+    found = flagged(broken(change))["lateness_within_bound"]
+    assert "t1: due 1000, fired 40000" in found[0] and "no fault" in found[0]
+
+
+def test_a_hanging_atomic_poison_excuses_the_fires_its_worker_held_up():
+    def change(h: History) -> None:
+        h.ops.append(
+            ok_op("poison", "p9", handler="atomic_poison", poison="hang", timer_id=9, due_ms=500)
+        )
+        h.timers.append(timer(99, "hang", "failed", attempts=2, max_attempts=2, updated_ms=20_000))
+        h.ops[-1]["timer_id"] = 99
+        h.ops[0]["due_ms"] = 10_000  # due while the poison held the loop
+        h.ledger[0] = ("t1", 21_000, 10_000)
+
+    h = broken(change)
+    verdict = check(h)
+    assert verdict.ok, verdict.violations
+    assert verdict.lateness["poison_hang"] == 11_000
+    h.ops.pop()  # without the poison, nothing explains 11 s
+    assert "lateness_within_bound" in flagged(h)
+
+
+def test_lateness_can_be_reported_without_failing_the_run_and_nothing_else_can():
+    late = broken(lambda h: h.ledger.__setitem__(0, ("t1", 9000, 1000)))
+    verdict = check(late, report_only=frozenset({"lateness_within_bound"}))
+    assert verdict.ok and verdict.violations["lateness_within_bound"]
+    twice = broken(lambda h: h.ledger.append(("t1", 9000, 1000)))
+    assert not check(twice, report_only=frozenset({"lateness_within_bound"})).ok
