@@ -12,8 +12,9 @@ Kinds (:data:`KINDS`):
 - ``pg_restart``: restart the PostgreSQL server, only when the run owns a throwaway
   cluster (``--pg-restart``): the shared server is never restarted.
 
-Now and then two or three kinds strike together. Never more than ``workers - 1``
-workers are killed or stopped at once: the run measures recovery, not an empty cluster.
+Now and then two or three kinds strike together. The nemesis never kills or stops the
+last worker that is up (a restarted one counts only once it has booted): the run
+measures recovery, not an empty cluster. Poison work may still take one down.
 Every fault is appended to a JSONL log (kind, start and end in epoch ms, targets), which
 the checker reads to attribute lateness.
 """
@@ -62,6 +63,8 @@ class Nemesis:
         self.mean = mean_interval_s
         self.restart_db = restart_db
         self.impaired: set[str] = set()  # killed or stopped, not yet healed
+        self.booted: set[str] = set(names)  # the orchestrator waited for the first boot
+        self.log_offset: dict[str, int] = {}
         self.heals: list[tuple[float, int, Callable[[], None]]] = []
         self.n = 0
         self.next_at = time.monotonic() + self.rng.expovariate(1 / self.mean)
@@ -80,7 +83,33 @@ class Nemesis:
         heapq.heappush(self.heals, (time.monotonic() + seconds, self.n, action))
 
     def healthy(self) -> list[str]:
-        return [n for n in self.names if n not in self.impaired and self.pool.workers[n].alive]
+        """Workers up and serving: alive, not frozen, and started (past their boot)."""
+        return [
+            n
+            for n in self.names
+            if n not in self.impaired and self.pool.workers[n].alive and self.started(n)
+        ]
+
+    def started(self, name: str) -> bool:
+        """True once the worker's current process logged ``worker.started`` (a restarted
+        one takes seconds to boot: until then it serves nothing)."""
+        if name in self.booted:
+            return True
+        worker = self.pool.workers[name]
+        with worker.log_path.open("rb") as log:
+            log.seek(self.log_offset.get(name, 0))
+            if b" worker.started " in log.read():
+                self.booted.add(name)
+                return True
+        return False
+
+    def restart(self, name: str) -> None:
+        """Start ``name`` again; it counts as impaired until it has booted."""
+        self.log_offset[name] = self.pool.workers[name].log_path.stat().st_size
+        self.booted.discard(name)
+        self.pool.start(name)
+        self.impaired.discard(name)
+        self.record(kind="restart", start_ms=wall_ms(), target=name)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -120,12 +149,7 @@ class Nemesis:
         down_s = self.rng.uniform(2, 8)
         self.record(kind="kill", start_ms=start, end_ms=start, target=name, down_s=down_s)
 
-        def restart() -> None:
-            self.pool.start(name)
-            self.impaired.discard(name)
-            self.record(kind="restart", start_ms=wall_ms(), target=name)
-
-        self.later(down_s, restart)
+        self.later(down_s, lambda: self.restart(name))
 
     def do_stop(self) -> None:
         name = self.pick_worker()
@@ -212,10 +236,4 @@ class Nemesis:
                 self.record(
                     kind="crash", start_ms=wall_ms(), end_ms=wall_ms(), target=name, code=code
                 )
-
-                def restart(name: str = name) -> None:
-                    self.pool.start(name)
-                    self.impaired.discard(name)
-                    self.record(kind="restart", start_ms=wall_ms(), target=name)
-
-                self.later(1.0, restart)
+                self.later(1.0, lambda name=name: self.restart(name))

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from chaos.nemesis import KINDS
+
 REPO = Path(__file__).resolve().parents[1]
 TIMER_FIELDS = ("id", "state", "target", "args", "attempts", "max_attempts", "fire_at_ms")
 TIMER_FIELDS += ("key", "updated_at")
@@ -77,6 +79,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="fail",
         help="whether lateness past the documented bounds fails the run or is only reported",
     )
+    parser.add_argument(
+        "--faults",
+        default=",".join(KINDS),
+        help=f"comma-separated fault kinds the nemesis uses (default: {','.join(KINDS)})",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--recheck",
@@ -86,6 +93,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="check a finished run again (its files in DIR, its database still there)",
     )
     args = parser.parse_args(argv)
+    args.faults = tuple(k for k in args.faults.split(",") if k)
+    unknown = sorted(set(args.faults) - set(KINDS))
+    if unknown:
+        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
     if args.workers < 2:
         parser.error("--workers: at least 2 (the nemesis keeps one up while it kills another)")
     if args.seed is None:
@@ -157,6 +168,7 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
                 seed=args.seed,
                 dsn=url,
                 log=faults_log,
+                kinds=args.faults,
                 mean_interval_s=args.fault_every_s,
                 restart_db=restart_db,
             )
