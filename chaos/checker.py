@@ -17,6 +17,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from chaos.lateness import Bounds, explain
+
+__all__ = ["INVARIANTS", "Bounds", "History", "Verdict", "check"]
+
 INVARIANTS = (
     "atomic_exactly_once",
     "external_at_least_once",
@@ -35,42 +39,6 @@ INVARIANTS = (
     "lateness_within_bound",
 )
 FINISHED = {"fired", "failed", "canceled"}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Bounds:
-    """The documented times the checker holds the worker to (durable's defaults)."""
-
-    lease_ttl_s: float = 10.0
-    rescan_s: float = 2.0
-    batch_budget_s: float = 2.0
-    atomic_timeout_s: float = 5.0
-
-    @property
-    def healthy_ms(self) -> int:
-        """Lateness allowed with no fault near: two rescans and a batch budget, plus 1 s."""
-        return int((2 * self.rescan_s + self.batch_budget_s + 1) * 1000)
-
-    def after(self, fault: dict[str, Any]) -> int:
-        """Lateness allowed after ``fault``, counted from its start (or the due time)."""
-        kind = fault["kind"]
-        ttl = self.lease_ttl_s * 1000
-        span = fault.get("end_ms", fault["start_ms"]) - fault["start_ms"]
-        if kind in ("kill", "crash"):  # docs/how-to/run-the-worker.md: LEASE_TTL_S + 2 s
-            return int(ttl + 2000)
-        if kind == "stop":
-            # Resumed, or taken over once its leases expired; but a worker frozen inside
-            # its loop's transaction keeps its lease row locked (others skip it) until
-            # PostgreSQL aborts that transaction, after twice LEASE_TTL_S
-            # (durable.worker.housekeeping.guard_session).
-            return int(min(span, 2 * ttl) + 2000)
-        if kind in ("terminate", "listen"):  # reconnect, then the rescan finds what is due
-            return int(2 * self.rescan_s * 1000 + 1000)
-        if kind in ("lock", "pg_restart"):  # whatever it blocked, then a reconnect and rescan
-            return int(span + 5000 + 2 * self.rescan_s * 1000)
-        if kind == "poison_hang":  # it held its worker's loop from start to end
-            return int(span + 2000)
-        return self.healthy_ms
 
 
 @dataclass(slots=True, kw_only=True)
@@ -391,16 +359,7 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
             samples.append((key, due, fired))
     worst: dict[str, int] = {}
     for what, due, fired in samples:
-        allowed = due + bounds.healthy_ms
-        cover = []
-        for fault in faults:
-            start = fault["start_ms"]
-            # A fault explains a late fire if it began before the fire was due (give or
-            # take the healthy lateness) and still held at the due time.
-            began = start <= min(fired, due + bounds.healthy_ms)
-            if began and due <= fault.get("end_ms", start) + bounds.after(fault):
-                cover.append(fault)
-                allowed = max(allowed, max(due, start) + bounds.after(fault))
+        allowed, cover = explain(due, fired, faults, bounds)
         if cover:
             # The fault that explains the most lateness; figures count from its start.
             culprit = max(cover, key=lambda f: max(due, f["start_ms"]) + bounds.after(f))
