@@ -234,16 +234,25 @@ def wait_for_shards(pool: Any, names: list[str], timeout_s: float = 90.0) -> Non
 
 def drain(pool: Any, nemesis: Any, timeout_s: float) -> float:
     """Wait until nothing due is left; return the seconds it took, or -1 on timeout."""
+    from django.db import DatabaseError, connection
+
     from durable.models import Timer, WorkflowRun
+
+    def settled() -> bool:
+        try:
+            due = Timer.objects.filter(state="pending", fire_at_ms__lte=wall_ms()).exists()
+            busy = Timer.objects.filter(state="firing").exists()
+            runs = WorkflowRun.objects.filter(state__in=["pending", "running", "sleeping"])
+            return not (due or busy or runs.exists())
+        except DatabaseError:  # our session did not survive a PostgreSQL restart
+            connection.close()
+            return False
 
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         nemesis.watch_crashes()
         nemesis.heal_all()
-        due = Timer.objects.filter(state="pending", fire_at_ms__lte=wall_ms()).exists()
-        busy = Timer.objects.filter(state="firing").exists()
-        runs = WorkflowRun.objects.filter(state__in=["pending", "running", "sleeping"]).exists()
-        if not (due or busy or runs):
+        if settled():
             return time.monotonic() - start
         time.sleep(0.5)
     return -1.0
@@ -256,11 +265,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int) -> bool:
+    from django.db import connection
+
     from chaos import checker, report
     from durable.conf import get_settings
     from durable.models import CronSchedule, Timer, WorkflowRun
     from testproject.demo.models import FireRecord
 
+    connection.close()  # a fresh session: the last one may predate a PostgreSQL restart
     conf = get_settings()
     bounds = checker.Bounds(
         lease_ttl_s=conf.LEASE_TTL_S,
