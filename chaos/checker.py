@@ -192,7 +192,12 @@ def _timers(history: History, idx: _Index, v: Verdict) -> None:
         else:
             v.checked["never_lost"] += 1
             if state != "fired":
-                v.flag("never_lost", f"{ids}: committed, never cancelled, final state {state}")
+                error = max(idx.timers.get(name, []), key=lambda t: t["id"], default={})
+                v.flag(
+                    "never_lost",
+                    f"{ids}: committed, never cancelled, final state {state} "
+                    f"{error.get('last_error', '')[:160]!r}",
+                )
         if atomic:
             v.checked["atomic_exactly_once"] += 1
             if len(fires) != (1 if state == "fired" else 0):

@@ -227,14 +227,14 @@ class Generator:
         if ok and record["signal"] and not early:
             self.defer(rng.uniform(0, 3.0), lambda: self.signal(op, payload))
 
-    def signal(self, op: str, payload: str, tries: int = 3) -> None:
+    def signal(self, op: str, payload: str, tries: int = 60) -> None:
         import durable
 
         ok = self.run_txn(
             {"kind": "signal", "op": op, "payload": payload},
             lambda: {"id": durable.send_signal(op, "go", payload).pk},
         )
-        if not ok and tries > 1:
+        if not ok and tries > 1:  # the database may be restarting: the run waits for it
             self.defer(1.0, lambda: self.signal(op, payload, tries - 1))
 
     def poison(self) -> None:

@@ -32,7 +32,7 @@ from chaos.nemesis import KINDS
 
 REPO = Path(__file__).resolve().parents[1]
 TIMER_FIELDS = ("id", "state", "target", "args", "attempts", "max_attempts", "fire_at_ms")
-TIMER_FIELDS += ("key", "updated_at")
+TIMER_FIELDS += ("key", "updated_at", "last_error")
 DEFAULT_URL = "postgres://durable:durable@127.0.0.1:5432/durable_chaos"
 
 

@@ -149,14 +149,22 @@ def kid_flow(ctx: durable.WorkflowContext, op: str) -> str:
 
 
 @durable.handler(atomic=False, max_attempts=2)
-def drop_own_session(key: str) -> str:
+def drop_own_session(key: str, refuse_new: bool = False) -> str:
     """External: records ``key``, then its database session is terminated (as the chaos
-    run's nemesis does), so the worker completes the timer on a broken connection."""
+    run's nemesis does), so the worker completes the timer on a broken connection.
+
+    ``refuse_new``: first set the database's connection limit to 0 (its owner may), as a
+    restarting server refuses connections; the test that asks for it lifts it again.
+    """
     from django.db import DatabaseError
 
     ledger(key, _due())
     try:
         with connections[get_settings().DATABASE].cursor() as cursor:
+            if refuse_new:
+                cursor.execute("SELECT current_database()")
+                name = cursor.fetchone()[0].replace('"', '""')
+                cursor.execute(f'ALTER DATABASE "{name}" CONNECTION LIMIT 0')
             cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     except DatabaseError:
         pass  # the session is gone: what the worker does next is under test
