@@ -4,6 +4,7 @@
     python bench/pgbouncer.py --seconds 10    # shorter
     python bench/pgbouncer.py --markdown out.md
     python bench/pgbouncer.py --producers 2  # fewer scheduling processes
+    python bench/pgbouncer.py --preload      # the fire path alone: timers written ahead
 
 The table gives the rate actually reached: on a busy machine the producers may fall
 short of 2,000/s.
@@ -19,6 +20,13 @@ through a PgBouncer 1.18 in transaction mode (started here, pool of 20, as the
 ``postgres`` OS user) and the worker LISTENs directly (``DURABLE_LISTEN_DATABASE_URL``,
 ``DURABLE["LISTEN_DATABASE"]``); "direct": both connect to PostgreSQL. Database
 ``durable_pgb_bench`` on the server at 127.0.0.1:5432 (created and migrated if missing).
+
+``--preload``: the fire path alone, at the rate asked for whatever the producers manage.
+One process writes every timer first (``schedule_many``, 2,000 a transaction, through the
+same topology), due at ``--rate`` a second from 8 s after it starts; the worker then fires
+them from its wheels (loaded by bucket and by the per-shard notices of those commits).
+On a 2-core machine the producers of the default mode compete with the worker for the
+CPU; this mode measures what the pooler costs the firing transactions.
 """
 
 from __future__ import annotations
@@ -65,6 +73,26 @@ def produce(seconds: float, rate: int) -> None:
     print(ref, round(time.monotonic() - start, 2), flush=True)
 
 
+def preload(seconds: float, rate: int, lead_ms: int) -> None:
+    """Preload process: ``seconds * rate`` timers due at ``rate`` a second after ``lead_ms``."""
+    import django
+
+    django.setup()
+    import durable
+    from bench.peers.durable_side import WRITE, to_dt
+
+    total = int(seconds * rate)
+    first = wall_ms() + lead_ms
+    for start in range(0, total, 2_000):
+        durable.schedule_many(
+            [
+                {"fn": WRITE, "args": [ref], "at": to_dt(first + ref * 1000 / rate)}
+                for ref in range(start, min(total, start + 2_000))
+            ]
+        )
+    print(total, round((wall_ms() - first + lead_ms) / 1000, 2), flush=True)
+
+
 def prepare_database() -> None:
     """Create and migrate the benchmark database if needed; the effect table too."""
     with connect(DIRECT_URL.rsplit("/", 1)[0] + "/postgres") as conn:
@@ -98,7 +126,13 @@ def reset(url: str) -> None:
 
 
 def run(
-    name: str, url: str, env: dict[str, str], seconds: float, rate: int, processes: int
+    name: str,
+    url: str,
+    env: dict[str, str],
+    seconds: float,
+    rate: int,
+    processes: int,
+    preloaded: bool = False,
 ) -> tuple[Lateness, float]:
     """One topology: a worker, the producer, then every fire's lateness."""
     from bench._worker_proc import WorkerProcess
@@ -118,26 +152,31 @@ def run(
             **env,
         }
         started = time.monotonic()
+        if preloaded:
+            commands = [[sys.executable, __file__, "--preload", str(seconds), str(rate)]]
+        else:
+            share = str(rate // processes)
+            commands = [[sys.executable, __file__, "--produce", str(seconds), share]] * processes
         producers = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--produce", str(seconds), str(rate // processes)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(processes)
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+            for command in commands
         ]
         outputs = [p.communicate()[0] for p in producers]
         assert all(p.returncode == 0 for p in producers), outputs
         took = time.monotonic() - started
         total = sum(int(out.split()[0]) for out in outputs)
+        if preloaded:
+            took = seconds  # fired at the rate asked for, over the window
         with connect(DIRECT_URL) as conn:
 
             def count() -> int:
                 return int(conn.execute("SELECT count(*) FROM bench_effect").fetchone()[0])
 
-            wait_until(lambda: count() >= total, timeout_s=60, every_s=0.2)
+            wait_until(
+                lambda: count() >= total,
+                timeout_s=60 + (12 if preloaded else 0) + seconds,
+                every_s=0.2,
+            )
             rows = conn.execute("SELECT fired_ms - due_ms FROM bench_effect").fetchall()
     finally:
         worker.stop()
@@ -157,17 +196,23 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=2_000)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--producers", type=int, default=4, help="producer processes")
+    parser.add_argument(
+        "--preload", action="store_true", help="write every timer first: the fire path alone"
+    )
     parser.add_argument("--produce", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
     if args.produce:
         produce(float(args.produce[0]), int(args.produce[1]))
+        return
+    if args.preload and rest:  # the preload process: --preload SECONDS RATE
+        preload(float(rest[0]), int(rest[1]), lead_ms=8_000)
         return
     from durable.testing.cluster import TemporaryPgBouncer
 
     prepare_database()
     bouncer = TemporaryPgBouncer(users={"durable": "durable"}, pool_size=20)
     bouncer.start()
-    common = (args.seconds, args.rate, args.producers)
+    common = (args.seconds, args.rate, args.producers, args.preload)
     try:
         pooled = bouncer.url("durable_pgb_bench", "durable", "durable")
         direct, direct_rate = run("direct", DIRECT_URL, {}, *common)
@@ -177,7 +222,8 @@ def main() -> None:
         bouncer.destroy()
     verdict = "hit" if behind.p99 <= 2 * direct.p99 else "missed"
     lines = [
-        "| topology | scheduled and fired per s | lateness p50 / p99 / max (ms) | fires |",
+        f"| topology ({'preloaded' if args.preload else 'scheduled while firing'}) "
+        "| fired per s | lateness p50 / p99 / max (ms) | fires |",
         "|---|---|---|---|",
         f"| direct | {direct_rate:,.0f} | {direct.p50:.1f} / {direct.p99:.1f} / "
         f"{direct.max:.1f} | {direct.n:,} |",

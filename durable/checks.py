@@ -261,6 +261,18 @@ def check_listen_database(app_configs: Any = None, **kwargs: Any) -> list[checks
                 id="durable.W003",
             )
         )
+    elif main.get("ENGINE", "").endswith("postgresql") and conf.PREPARE_STATEMENTS is True:
+        messages.append(
+            checks.Warning(
+                f"DURABLE['PREPARE_STATEMENTS'] is True while DURABLE['LISTEN_DATABASE'] "
+                f"({conf.LISTEN_DATABASE!r}) says DATABASES[{conf.DATABASE!r}] is reached "
+                "through a pooler",
+                hint="The worker then prepares its statements through the pooler: keep it "
+                "only if the pooler carries prepared statements (PgBouncer 1.21+ with "
+                "max_prepared_statements); else leave PREPARE_STATEMENTS at None.",
+                id="durable.W003",
+            )
+        )
     if main.get("NAME") != listen.get("NAME"):
         messages.append(
             checks.Warning(

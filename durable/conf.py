@@ -66,6 +66,10 @@ class DurableSettings:
     LISTEN_DATABASE: str | None = None
     """Alias the worker LISTENs through (None: ``DATABASE``). Behind a transaction-mode
     pooler, an alias connecting to the same database directly: LISTEN needs a session."""
+    PREPARE_STATEMENTS: bool | None = None
+    """Whether the worker's PostgreSQL connections prepare durable's hot statements (psycopg
+    3). None: yes, unless ``LISTEN_DATABASE`` names another alias (a pooler in transaction
+    mode); True: always; False: never (the project's ``prepare_threshold`` decides)."""
     SHARDS: int = 64
     """Number of shards; fixed once timers exist."""
     BUCKET_SHIFT: int = 16
@@ -157,6 +161,9 @@ _DAYS_OR_NONE = Predicate(
 RULES: dict[str, Rule] = {
     "DATABASE": Rule(DatabaseAlias(), id="durable.E002"),
     "LISTEN_DATABASE": Rule(DatabaseAlias(optional=True), id="durable.E002"),
+    "PREPARE_STATEMENTS": Rule(
+        Predicate(lambda v: v is None or isinstance(v, bool), "None, True or False")
+    ),
     # Shard numbers live in smallint columns (Timer, WorkflowRun, ShardLease).
     "SHARDS": Rule(Integer(1, 32_767)),
     "BUCKET_SHIFT": Rule(Integer(8, 24)),

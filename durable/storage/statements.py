@@ -8,12 +8,12 @@ unprepared and 0.26 ms prepared, in a loop of 500 on the development machine.
 
 :func:`cursor` gives those statements a cursor that binds on the server, which psycopg
 prepares once a statement has run ``prepare_threshold`` times on the connection. Whether
-it prepares stays the project's choice: Django turns preparing off by default
-(``prepare_threshold=None``, because a connection pooler in transaction mode may not
-carry prepared statements across transactions), and ``"OPTIONS": {"prepare_threshold":
-5}`` in the database settings (``?prepare_threshold=5`` in a ``DATABASE_URL``) turns it on
-for the worker's connections. Without it these cursors bind on the server and prepare
-nothing, at the cost of Django's own cursors. Django's cursor wrapper is kept, so the
+it prepares: Django turns preparing off by default (``prepare_threshold=None``, because a
+connection pooler in transaction mode may not carry prepared statements across
+transactions), so the worker turns it on for its own connections to ``DATABASE``
+(:func:`prepare_on`) unless ``DURABLE["PREPARE_STATEMENTS"]`` says no or
+``LISTEN_DATABASE`` says the database is pooled. A ``prepare_threshold`` in the
+project's OPTIONS is kept as it is. Django's cursor wrapper is kept, so the
 statements still show in ``connection.queries`` and in ``CaptureQueriesContext``.
 """
 
@@ -47,6 +47,37 @@ def cursor(db: str) -> Any:
     conn.ensure_connection()
     with conn.wrap_database_errors:
         return conn._prepare_cursor(ServerBindingCursor(conn.connection))
+
+
+#: The ``prepare_threshold`` the worker gives its connections (see :func:`prepare_on`).
+WORKER_PREPARE_THRESHOLD = 5
+
+
+def should_prepare(conf: Any) -> bool:
+    """Whether the worker prepares its hot statements (``DURABLE["PREPARE_STATEMENTS"]``)."""
+    if conf.PREPARE_STATEMENTS is not None:
+        return bool(conf.PREPARE_STATEMENTS)
+    pooled = conf.LISTEN_DATABASE is not None and conf.LISTEN_DATABASE != conf.DATABASE
+    return not pooled
+
+
+def prepare_on(connection: Any) -> bool:
+    """Let psycopg prepare this worker connection's server-bound statements; True if set.
+
+    Django leaves ``prepare_threshold`` at None (nothing prepared) unless the project's
+    OPTIONS say otherwise, which made every batch of the fire path parse and plan its
+    statements again: at 2,000 fires/s on 2 cores the worker fell seconds behind (p99
+    4.1 s, against 181 ms prepared; bench/pgbouncer.py --preload). Only the cursors of
+    :func:`cursor` can be prepared: Django's own client-binding cursors never are, so the
+    app's queries in handlers are untouched. A threshold the project set is kept.
+    """
+    raw = getattr(connection, "connection", None)
+    if connection.vendor != "postgresql" or raw is None or ServerBindingCursor is None:
+        return False
+    if getattr(raw, "prepare_threshold", 0) is not None:
+        return False  # the project chose a threshold (or this driver cannot prepare)
+    raw.prepare_threshold = WORKER_PREPARE_THRESHOLD
+    return True
 
 
 def in_clause(

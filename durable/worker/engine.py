@@ -41,6 +41,7 @@ from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
 from durable.storage import leases as lease_store
+from durable.storage import statements
 from durable.worker import housekeeping
 from durable.worker.batches import BatchOutcome, pack
 from durable.worker.chores import Chores
@@ -169,8 +170,13 @@ class Engine:
         self._started = True
 
     def _guard_connection(self, sender: Any, connection: Any, **kwargs: Any) -> None:
-        """Guard this loop's own PostgreSQL session (see ``housekeeping.guard_session``)."""
-        if connection.alias == self.db and threading.get_ident() == self._loop_thread:
+        """Guard this loop's own PostgreSQL session (see ``housekeeping.guard_session``);
+        let every worker connection to ``DATABASE`` prepare (``statements.prepare_on``)."""
+        if connection.alias != self.db:
+            return
+        if statements.should_prepare(self.conf):
+            statements.prepare_on(connection)
+        if threading.get_ident() == self._loop_thread:
             housekeeping.guard_session(connection, self.conf)
 
     def run(self, duration_s: float | None = None) -> None:

@@ -42,6 +42,8 @@ BAD = [
     ("DATABASE", 0, "durable.E002"),
     ("LISTEN_DATABASE", "nope", "durable.E002"),
     ("LISTEN_DATABASE", 0, "durable.E002"),
+    ("PREPARE_STATEMENTS", "yes", "durable.E003"),
+    ("PREPARE_STATEMENTS", 1, "durable.E003"),
     ("SHARDS", 0, "durable.E003"),
     ("SHARDS", 40_000, "durable.E003"),
     ("SHARDS", True, "durable.E003"),
@@ -277,3 +279,13 @@ def test_listen_database_checks_preparing_and_the_database_name(monkeypatch):
         assert check_listen_database() == []
     with override_settings(DURABLE={"LISTEN_DATABASE": "default"}):
         assert check_listen_database() == []
+
+
+def test_preparing_forced_on_through_a_pooler_is_a_warning(monkeypatch):
+    from durable.checks import check_listen_database
+
+    _pooled(monkeypatch, None, None)
+    with override_settings(DURABLE={"LISTEN_DATABASE": "listen", "PREPARE_STATEMENTS": True}):
+        messages = check_listen_database()
+    assert _ids(messages) == ["durable.W003"]
+    assert "PREPARE_STATEMENTS" in messages[0].msg
