@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError, connections, transaction
+from django.db import InterfaceError, OperationalError, connections, transaction
 
 from durable.conf import DurableSettings
 from durable.core.clock import Clock
@@ -258,7 +258,9 @@ class ExternalRunner:
             outcome: list[Readd] = []
             try:
                 self.complete(entry, value, error, outcome)
-            except DatabaseError:
+            except (OperationalError, InterfaceError):
+                # The connection, not the statement: a statement's own error (a bad
+                # follow-up, say) would fail the same way again, so it is not retried.
                 if time.monotonic() + pause > give_up:
                     raise
                 connections[self.db].close()  # the next query opens a new one
