@@ -95,8 +95,10 @@ def guard_session(connection: Any, conf: DurableSettings) -> None:
     """
     if connection.vendor != "postgresql":
         return
-    if not any(isinstance(w, IdleGuard) for w in connection.execute_wrappers):
-        connection.execute_wrappers.append(IdleGuard(max(5_000, int(conf.LEASE_TTL_S * 2000))))
+    # One guard per connection, this engine's: an earlier engine's (other settings, in
+    # the same process) is replaced, not kept.
+    unguard_session(connection)
+    connection.execute_wrappers.append(IdleGuard(max(5_000, int(conf.LEASE_TTL_S * 2000))))
 
 
 def unguard_session(connection: Any) -> None:

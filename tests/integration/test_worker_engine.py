@@ -348,3 +348,19 @@ def test_the_idle_guard_is_set_per_transaction_never_for_the_session(engine):
     engine.shutdown(wait_s=0)
     with transaction.atomic():
         assert timeout() == "0"  # the guard leaves with the engine
+
+
+@pytest.mark.postgres
+def test_a_new_engines_guard_replaces_an_earlier_one(engine):
+    """One guard per connection: the latest engine's timeout, not a stale engine's."""
+    from durable.conf import DurableSettings
+    from durable.worker import housekeeping
+
+    housekeeping.guard_session(connection, DurableSettings(LEASE_TTL_S=3600.0))
+    housekeeping.guard_session(connection, engine.conf)
+    guards = [w for w in connection.execute_wrappers if isinstance(w, housekeeping.IdleGuard)]
+    assert len(guards) == 1
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SHOW idle_in_transaction_session_timeout")
+        assert cursor.fetchone()[0] == "20s"
+    engine.shutdown(wait_s=0)
