@@ -15,7 +15,6 @@ cancels a run's pending scheduled signals with its wake-ups.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from typing import Any
 
@@ -25,9 +24,9 @@ from durable.conf import get_settings
 from durable.core.sharding import bucket_of
 from durable.dispatch.kinds import register_kind
 from durable.dispatch.registry import HandlerSpec
-from durable.exceptions import GiveUp, PayloadError, UnknownWorkflow, WorkflowError
+from durable.exceptions import GiveUp, UnknownWorkflow, WorkflowError
 from durable.models import Timer, TimerKind, TimerState
-from durable.scheduling.validation import check_json
+from durable.scheduling.validation import check_stored
 from durable.storage import workflows as store
 from durable.storage.timers import announce, insert_timer, new_timer
 
@@ -43,16 +42,7 @@ def schedule_signal(run_id: str, name: str, payload: Any, fire_at_ms: int, now_m
     :class:`~durable.exceptions.WorkflowError` for a finished one, before any write.
     """
     conf = get_settings()
-    check_json(payload, "payload")
-    size = len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode())
-    if size > conf.MAX_PAYLOAD_BYTES:
-        raise PayloadError(
-            f"payload: {size} bytes of JSON; the limit is "
-            f"DURABLE['MAX_PAYLOAD_BYTES'] = {conf.MAX_PAYLOAD_BYTES}",
-            path="payload",
-            size=size,
-            limit=conf.MAX_PAYLOAD_BYTES,
-        )
+    check_stored(payload, "payload", conf.MAX_PAYLOAD_BYTES, "MAX_PAYLOAD_BYTES")
     db = conf.DATABASE
     run = store.runs_by_ids(db, [run_id]).get(run_id)
     if run is None:
