@@ -3,7 +3,7 @@
 Fired and cancelled timers are pruned by :func:`durable.storage.firing.prune_finished`;
 this module adds dead-lettered timers and finished workflow runs. Everything deletes a
 bounded batch per call, in its own short transaction, and is called by the worker's
-housekeeping on a pool thread, never from the fire path.
+housekeeping between turns, never inside a firing transaction.
 
 A run is deleted only with its whole tree (the run, its descendant runs, and every one's
 steps and signals), and only when every run of the tree finished before the cutoff and

@@ -1,15 +1,16 @@
 """The engine's periodic chores besides firing: clock offset, gauges, retention.
 
-Each chore has its own period. The clock offset is measured on the loop (before a turn
-fires, so fires use the fresh offset); the database reads of the gauges and retention
-pruning run on a pool thread, because either can take a second on a big table and the
-firing loop must not wait for them (one pruning pass at a time).
+Each chore has its own period. The clock offset is measured on the loop before a turn
+fires (so fires use the fresh offset); retention pruning runs on the loop between turns,
+after the fires, in small bounded batches, never inside a firing transaction; the
+database reads of the gauges run on a pool thread (counting millions of pending rows
+takes a while). Pruning stays on the loop because a pass racing the fires of the same
+turn made the worker's behaviour depend on thread timing.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 
 from django.db import DatabaseError
@@ -56,10 +57,6 @@ class Chores:
         self._next_sample_ms = 0
         self._next_db_sample_ms = 0
         self._next_prune_ms = 0
-        self._pruning = threading.Lock()
-        self._count_lock = threading.Lock()
-        #: Background passes (pruning) submitted and not finished yet; tests wait on it.
-        self.pending = 0
 
     def before_firing(self, now: int) -> None:
         """Measure the clock offset when due (the worker fires by database time)."""
@@ -72,32 +69,16 @@ class Chores:
         housekeeping.measure_offset(self.clock, self.db)
 
     def after_firing(self, now: int) -> None:
-        """Prune and sample the gauges when due, on a pool thread."""
+        """Prune (between turns, after the fires) and sample the gauges when due."""
         if now >= self._next_prune_ms:
             self._next_prune_ms = now + PRUNE_EVERY_MS
-            with self._count_lock:
-                self.pending += 1
-            self.pool.submit(self._prune_in_background, now)
+            self.prune(now)
         if now >= self._next_sample_ms:
             self.sample(now)
 
     def prune(self, now: int) -> int:
         """One pruning pass, on the calling thread; return the rows deleted."""
         return housekeeping.prune(self.db, self.conf, now, self.node)
-
-    def _prune_in_background(self, now: int) -> None:
-        try:
-            if self._pruning.acquire(blocking=False):  # else the last pass still runs
-                try:
-                    self.prune(now)
-                except DatabaseError as exc:
-                    event(log, logging.WARNING, "prune.failed", node=self.node, error=exc)
-                finally:
-                    self._pruning.release()
-                    tidy_connections()
-        finally:
-            with self._count_lock:
-                self.pending -= 1
 
     def sample(self, now: int) -> None:
         """Refresh the gauges: wheel depth per shard and level, pending rows per shard."""

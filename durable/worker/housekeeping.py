@@ -51,7 +51,7 @@ def prune(db: str, conf: DurableSettings, now_ms: int, node: str) -> int:
     ones after ``FAILED_RETENTION_DAYS`` (at most 1,000), finished workflow runs with
     their steps and signals after ``RUN_RETENTION_DAYS`` (at most 2,000 runs); ``None``
     keeps that kind forever. Each batch is its own short transaction; the engine runs this
-    on a pool thread, off the firing loop.
+    between turns, after the fires (``durable.worker.chores``).
     """
     cutoff = firing_store.retention_cutoff_ms(now_ms, conf.RETENTION_DAYS)
     total = 0
