@@ -48,6 +48,8 @@ class Counted:
     """Of ``ids``, pending timers whose previous attempt never recorded an outcome: the
     firer runs each alone, so a handler that kills its process costs no neighbour an
     attempt again."""
+    attempts: dict[int, int] = field(default_factory=dict)
+    """For each of ``ids``, its ``attempts`` once counted (what :func:`give_back` checks)."""
 
 
 def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:
@@ -66,7 +68,8 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     where, params = due_where(conn.vendor, shards, ids, now_ms)
     token_of_shard, token_params = token_by_shard(conn.vendor, tokens)
     select = (
-        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect FROM durable_timer "
+        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect, attempts + 1 AS n "
+        "FROM durable_timer "
         f"WHERE {where} AND attempts < max_attempts"
     )
     update = f"UPDATE durable_timer SET attempts = attempts + 1, claim_token = {token_of_shard}"
@@ -82,7 +85,11 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
                 cursor.execute(
                     f"{update} WHERE id IN ({marks})", [*token_params, *(r[0] for r in rows)]
                 )
-        return Counted(ids={r[0] for r in rows}, suspects={r[0] for r in rows if r[1]})
+        return Counted(
+            ids={r[0] for r in rows},
+            suspects={r[0] for r in rows if r[1]},
+            attempts={r[0]: r[2] for r in rows},
+        )
     shard_array = statements.int_array(shards)
     tokens_array = statements.int_array(tokens[shard] for shard in shards)
     sql = (
@@ -93,8 +100,8 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         "WHERE lease.token IS DISTINCT FROM ours.token) AS ok), "
         f"due AS MATERIALIZED ({select} AND (SELECT ok FROM fenced) FOR UPDATE), "
         f"counted AS ({update} FROM due WHERE durable_timer.id = due.id "
-        "RETURNING due.id, due.suspect) "
-        "SELECT (SELECT ok FROM fenced), array(SELECT id FROM counted), "
+        "RETURNING due.id, due.suspect, due.n) "
+        "SELECT (SELECT ok FROM fenced), array(SELECT ARRAY[id, n]::bigint[] FROM counted), "
         f"array(SELECT id FROM counted WHERE suspect), {LAZY_COMMIT}"
     )
     with statements.cursor(db) as cursor:
@@ -104,7 +111,8 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         ok, counted, suspects, _ = cursor.fetchone()
     if not ok:
         return Counted(stale=fence_shards(db, tokens))
-    return Counted(ids=set(counted), suspects=set(suspects))
+    attempts = {timer_id: n for timer_id, n in counted}
+    return Counted(ids=set(attempts), suspects=set(suspects), attempts=attempts)
 
 
 def uncount(db: str, ids: Sequence[int]) -> None:
@@ -118,6 +126,33 @@ def uncount(db: str, ids: Sequence[int]) -> None:
             f"WHERE {where} AND state = %s",
             [*params, _PENDING],
         )
+
+
+def give_back(db: str, counted: Mapping[int, tuple[int, int]], *, suspect: bool) -> int:
+    """Give back attempts counted for a batch that never took effect; return how many.
+
+    ``counted`` maps a timer id to ``(attempts, token)``: its ``attempts`` as
+    :func:`count_attempts` left them and the lease token they were counted under. A row
+    gets its attempt back only if both are still what they were (nothing has counted,
+    claimed or finished it since: not a new owner, not this worker's next turn) and it
+    is unfinished. ``suspect`` keeps ``claim_token`` set, so the row stays a *suspect*
+    and its next attempt runs alone (its handler ran in the batch that failed);
+    otherwise it is cleared, as if the attempt had never been counted.
+    """
+    items = sorted(counted.items())
+    token_sql = "claim_token" if suspect else "NULL"
+    given = 0
+    with statements.cursor(db) as cursor:
+        for start in range(0, len(items), 100):
+            chunk = items[start : start + 100]
+            match = " OR ".join(["(id = %s AND attempts = %s AND claim_token = %s)"] * len(chunk))
+            cursor.execute(
+                f"UPDATE durable_timer SET attempts = attempts - 1, claim_token = {token_sql} "
+                f"WHERE state IN (%s, %s) AND ({match})",
+                [_PENDING, _FIRING, *(v for i, (n, t) in chunk for v in (i, n, t))],
+            )
+            given += cursor.rowcount
+    return given
 
 
 def release_stale_claims(db: str, shard: int, token: int, now_ms: int) -> int:

@@ -53,6 +53,7 @@ from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
+from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.deadline import Deadlines
 from durable.worker.external import ExternalRunner
@@ -126,6 +127,8 @@ class Firer:
         self.deadlines = Deadlines()
         self.quarantined: set[int] = set()
         """Timers whose bookkeeping failed even alone: not fired again by this process."""
+        self.attempts = AttemptTracker(db, claims.Counted(), {})
+        """The current :meth:`fire` call's attempts (given back if its batch fails)."""
 
     @property
     def in_flight(self) -> int:
@@ -153,13 +156,24 @@ class Firer:
         counted = self._count(work, lost)
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
         runners = {runner.shard: runner for runner, _ in work}
+        tokens = {i: runner.token for runner, ids in work for i in ids if i in counted.ids}
+        self.attempts = attempts = AttemptTracker(self.db, counted, tokens)
         parts: list[Work] = [work]
-        while parts:
-            part = [(r, ids) for r, ids in parts.pop(0) if ids and r.shard not in lost]
-            for shard, outcome in self._fire_contained(part, counted, lost).items():
-                merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
-                parts += [[(runners[shard], [timer.id])] for timer in outcome.alone]
-                outcome.alone.clear()
+        try:
+            while parts:
+                part = [(r, ids) for r, ids in parts.pop(0) if ids and r.shard not in lost]
+                done = self._fire_contained(part, counted, lost)
+                alone = {timer.id for outcome in done.values() for timer in outcome.alone}
+                attempts.settle(i for r, ids in part if r.shard in done for i in ids)
+                attempts.settled -= alone
+                for shard, outcome in done.items():
+                    merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
+                    parts += [[(runners[shard], [timer.id])] for timer in outcome.alone]
+                    outcome.alone.clear()
+        except (OperationalError, InterfaceError):
+            attempts.give_back(reconnect=True)  # this worker lives: see durable.worker.attempts
+            raise
+        attempts.give_back(reconnect=False)  # counted on shards found lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
@@ -316,21 +330,25 @@ class Firer:
         timeout = spec.timeout if spec.timeout is not None else self.conf.ATOMIC_TIMEOUT_S
         timeout = min(timeout, self.conf.LEASE_TTL_S / 2)  # it holds the loop: keep leases
         if failed is None:
+            self.attempts.started.add(timer.id)
             try:
                 with firing(ctx), self.deadlines.limit(timeout):
                     out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
             except kinds.RedoCarefully:
                 raise
             except BaseException as exc:  # any failure is this timer's: redo carefully
+                self.attempts.blame(timer.id, exc)
                 raise _Rollback(timer.id, spec.failure(exc)) from exc
             return False
         if timer.id in failed:
             out.errors.append((timer, failed[timer.id]))
             return False
+        self.attempts.started.add(timer.id)
         try:
             with transaction.atomic(using=self.db), firing(ctx), self.deadlines.limit(timeout):
                 out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
         except BaseException as exc:  # its savepoint rolled its own effects back
+            self.attempts.blame(timer.id, exc)
             out.errors.append((timer, spec.failure(exc)))
         return False
 

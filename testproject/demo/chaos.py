@@ -169,3 +169,27 @@ def drop_own_session(key: str, refuse_new: bool = False) -> str:
     except DatabaseError:
         pass  # the session is gone: what the worker does next is under test
     return key
+
+
+#: Keys :func:`drop_batch_session` has already dropped its session for (this process).
+DROPPED: set[str] = set()
+
+
+@durable.handler(max_attempts=1)
+def drop_batch_session(key: str, every_time: bool = False) -> str:
+    """Atomic: records ``key``, then terminates the worker's session (the batch's), as
+    the nemesis's ``pg_terminate_backend`` does, and returns as if nothing happened: the
+    batch's transaction is lost with every handler's effects in it. Once per ``key`` in
+    a process, or ``every_time`` (then a poison: it breaks its own batch each time).
+    """
+    from django.db import DatabaseError
+
+    ledger(key, _due())
+    if every_time or key not in DROPPED:
+        DROPPED.add(key)
+        try:
+            with connections[get_settings().DATABASE].cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        except DatabaseError:
+            pass  # the session is gone: what the worker does next is under test
+    return key

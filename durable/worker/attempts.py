@@ -1,0 +1,110 @@
+"""Attempts a worker that survived its batch's failure gives back (DESIGN §12).
+
+An attempt is counted before its batch runs (:func:`durable.storage.claims.
+count_attempts`), committed on its own, so that a handler that takes its process down
+has spent it: poison work takes down at most ``max_attempts`` processes. But a worker
+still alive when its batch transaction failed (a database error: its session was
+terminated, the server restarted; or a shard found lost under it) knows more: nothing
+of that batch took effect, and nothing in it took the process down. Spending those
+attempts all the same dead-lettered healthy timers whose attempts faults kept cutting
+short (the chaos run, seed 20261201: eleven timers, ``AttemptsExhausted``). So the
+worker gives them back, except where the failure may be the handler's own doing:
+
+- a timer whose handler never started in the failed batch (external ones, which would
+  have run after commit, those after the failure, or all of them when it came before
+  any handler ran) gets its attempt back, as if it had never been counted;
+- a timer whose atomic handler ran in the failed batch gets it back, but stays a
+  *suspect*: its next attempt runs in a batch of its own;
+- the attempt stays spent when the database error surfaced inside the timer's own
+  handler, or when its handler was the only one that ran: a handler that breaks its
+  own session (one that terminates it, say) must still reach its dead letter.
+
+The give-back is conditional (:func:`durable.storage.claims.give_back`): only where the
+row still has the attempts and the token it was counted with. If the database cannot
+be reached to give them back, the attempts stay spent: the safe side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+
+from durable.storage import claims
+from durable.worker.logs import event
+
+log = logging.getLogger("durable.worker")
+
+
+class AttemptTracker:
+    """What one :meth:`durable.worker.firer.Firer.fire` call counted, ran and committed."""
+
+    def __init__(self, db: str, counted: claims.Counted, tokens: dict[int, int]) -> None:
+        self.db = db
+        self.counted = counted
+        self.tokens = tokens
+        """The lease token each counted timer was counted under."""
+        self.started: set[int] = set()
+        """Timers whose atomic handler was called in a transaction not (yet) committed."""
+        self.blamed: set[int] = set()
+        """Timers whose own handler raised the database error that failed their batch."""
+        self.settled: set[int] = set()
+        """Timers whose batch committed (or whose attempt is otherwise accounted for)."""
+
+    def blame(self, timer_id: int, exc: BaseException) -> None:
+        """``timer_id``'s handler raised ``exc``: a database error raised there may be its
+        own doing (it broke its session), so its attempt stays spent if the batch fails."""
+        if isinstance(exc, OperationalError | InterfaceError):
+            self.blamed.add(timer_id)
+
+    def settle(self, ids: Iterable[int]) -> None:
+        """These timers' batch committed: their attempts are accounted for."""
+        self.settled.update(ids)
+
+    def give_back(self, *, reconnect: bool) -> int:
+        """Give back the attempts of counted timers whose batch never committed (see the
+        module docstring); return how many rows got one back. ``reconnect``: the batch
+        failed on a database error, so the connection may be broken: use a new one."""
+        unsettled = self.counted.ids - self.settled
+        if not unsettled:
+            return 0
+        ran = unsettled & self.started
+        kept = self.blamed & unsettled
+        if len(ran) == 1:
+            kept |= ran
+        clear = unsettled - ran - kept
+        suspect = ran - kept
+
+        def plan(ids: set[int]) -> dict[int, tuple[int, int]]:
+            return {i: (self.counted.attempts[i], self.tokens[i]) for i in ids}
+
+        if reconnect:
+            with contextlib.suppress(Exception):
+                connections[self.db].close()
+        try:
+            with transaction.atomic(using=self.db):
+                given = claims.give_back(self.db, plan(clear), suspect=False)
+                given += claims.give_back(self.db, plan(suspect), suspect=True)
+        except DatabaseError as exc:
+            event(
+                log,
+                logging.WARNING,
+                "attempts.not_given_back",
+                timers=len(unsettled),
+                error=str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc),
+            )
+            with contextlib.suppress(Exception):
+                connections[self.db].close()
+            return 0
+        event(
+            log,
+            logging.INFO,
+            "attempts.given_back",
+            given=given,
+            unstarted=len(clear),
+            suspects=len(suspect),
+            kept=",".join(map(str, sorted(kept))),
+        )
+        return given

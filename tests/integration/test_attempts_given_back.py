@@ -1,0 +1,111 @@
+"""A worker that survives its batch's failure gives back the attempts it counted.
+
+Found by the chaos run (``make chaos``, seed 20261201): healthy timers were
+dead-lettered with ``AttemptsExhausted: attempt 5 of 5 started and never finished``.
+Attempts are counted before a batch runs, committed on their own (DESIGN §12); when
+the nemesis terminated a worker's session mid-batch, the batch rolled back, the worker
+lived on, and every timer in the batch had spent an attempt none of them had used. Now
+the worker gives them back (``durable.worker.attempts``), on a condition (the row still
+has the attempts and token it was counted with), except where the failure may be the
+handler's own: a handler that breaks its batch's session every time is still
+dead-lettered within its attempts.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import InterfaceError, OperationalError, transaction
+
+import durable
+from durable.models import Timer, TimerState
+from durable.storage import claims
+from testproject.demo import chaos, probes
+from testproject.demo.models import FireRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SETTINGS = {"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}
+
+
+@pytest.fixture
+def engine(start_engine):
+    return start_engine(dict(SETTINGS), threads=2)
+
+
+def turn(engine, clock, step_ms=200):
+    """One turn as ``Engine.run`` takes it: a database error ends it, and the next one
+    renews and rescans everything due."""
+    clock.advance(step_ms)
+    try:
+        engine.tick()
+    except (OperationalError, InterfaceError) as exc:
+        engine._on_database_error(exc, 0.0)
+        return exc
+    return None
+
+
+def state(timer):
+    timer.refresh_from_db()
+    return timer.state, timer.attempts
+
+
+def ledger(prefix):
+    return sorted(FireRecord.objects.filter(key__startswith=prefix).values_list("key", flat=True))
+
+
+@pytest.mark.postgres
+def test_a_batch_whose_session_is_terminated_spends_no_attempt(engine, clock):
+    # One attempt each: before the fix, the lost batch spent it, and the next turn
+    # dead-lettered them all (AttemptsExhausted) without calling them again.
+    ran = [durable.schedule(probes.record, args=[f"ran{i}"], max_attempts=1) for i in range(2)]
+    external = durable.schedule(probes.record_external, args=["ext"], max_attempts=1)
+    clock.advance(1)  # the dropper comes last in the batch, after the others ran
+    dropper = durable.schedule(chaos.drop_batch_session, args=["drop"])
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    assert isinstance(turn(engine, clock), OperationalError | InterfaceError)
+    for _ in range(6):
+        turn(engine, clock)
+    assert [state(t) for t in ran] == [(TimerState.FIRED, 1)] * 2
+    assert state(external) == (TimerState.FIRED, 1)
+    assert state(dropper) == (TimerState.FIRED, 1)
+    assert ledger("ran") == ["ran0", "ran1"] and ledger("drop") == ["drop"], "once each"
+    assert ledger("ext") == ["ext"]
+
+
+@pytest.mark.postgres
+def test_a_handler_that_breaks_its_batch_every_time_is_still_dead_lettered(engine, clock):
+    neighbours = [durable.schedule(probes.record, args=[f"n{i}"]) for i in range(2)]
+    clock.advance(1)
+    poison = durable.schedule(chaos.drop_batch_session, args=["p"], kwargs={"every_time": True})
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    errors = [turn(engine, clock) for _ in range(8)]
+    assert sum(e is not None for e in errors) <= 2, "at most with its neighbours, then alone"
+    assert [state(t) for t in neighbours] == [(TimerState.FIRED, 1)] * 2
+    assert state(poison) == (TimerState.FAILED, 1)
+    assert "AttemptsExhausted: attempt 1 of 1" in poison.last_error
+    assert ledger("p") == [] and ledger("n") == ["n0", "n1"]
+
+
+def test_give_back_is_conditional_on_the_counted_attempts_and_token(engine, clock):
+    timer = durable.schedule(probes.record, args=["x"])
+    clock.advance(1)
+    token = engine.runners[timer.shard].token
+    with transaction.atomic():
+        counted = claims.count_attempts("default", {timer.shard: token}, [timer.pk], clock.now_ms())
+    assert counted.attempts == {timer.pk: 1}
+    stale = {timer.pk: (1, token + 1)}, {timer.pk: (2, token)}
+    assert [claims.give_back("default", c, suspect=False) for c in stale] == [0, 0]
+    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=True) == 1
+    row = Timer.objects.get(pk=timer.pk)
+    assert (row.attempts, row.claim_token) == (0, token), "still a suspect"
+    with transaction.atomic():
+        again = claims.count_attempts("default", {timer.shard: token}, [timer.pk], clock.now_ms())
+    assert again.suspects == {timer.pk}
+    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=False) == 1
+    row.refresh_from_db()
+    assert (row.attempts, row.claim_token) == (0, None)
+    finished = {"state": TimerState.FIRED, "attempts": 1, "claim_token": token}
+    Timer.objects.filter(pk=timer.pk).update(**finished)
+    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=False) == 0
