@@ -222,23 +222,29 @@ class Firer:
     def _fire_batch(
         self, work: Work, counted: claims.Counted, lost: dict[int, str]
     ) -> dict[int, BatchOutcome]:
-        """One fenced transaction (redone carefully, or without lost shards, as needed)."""
+        """One fenced transaction (redone carefully, or without lost shards, as needed).
+
+        Its redos share the first try's time budget: a handler that hung to its timeout
+        spent it, and a redo with a budget of its own could run the next one that hangs
+        before the loop renews its leases again (found by the chaos run: two hanging
+        atomic handlers in one batch held a worker's loop past ``LEASE_TTL_S``)."""
+        deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
         while work:
             try:
                 try:
-                    outcomes, announced = self._batch(work, counted)
+                    outcomes, announced = self._batch(work, counted, deadline)
                 except _Rollback as failed:
                     # The careful redo records the known failure without calling that
                     # handler again; those before it run again (first effects rolled back).
                     failure = {failed.timer_id: failed.error}
-                    outcomes, announced = self._batch(work, counted, failed=failure)
+                    outcomes, announced = self._batch(work, counted, deadline, failed=failure)
                 except DeferredPublishError as exc:
                     # Some messages may have gone out: the careful redo sends them again
                     # (at least once; the task ids are the same).
                     event(log, logging.WARNING, "batch.publish_failed", error=str(exc))
-                    outcomes, announced = self._batch(work, counted, failed={})
+                    outcomes, announced = self._batch(work, counted, deadline, failed={})
                 except kinds.RedoCarefully:
-                    outcomes, announced = self._batch(work, counted, failed={})
+                    outcomes, announced = self._batch(work, counted, deadline, failed={})
             except _Fenced as fenced:
                 for shard, current in fenced.stale.items():
                     lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
@@ -254,6 +260,7 @@ class Firer:
         self,
         work: Work,
         counted: claims.Counted,
+        deadline: float,
         *,
         failed: dict[int, BaseException] | None = None,
     ) -> tuple[dict[int, BatchOutcome], Announced]:
@@ -262,7 +269,6 @@ class Firer:
         outcomes = {shard: BatchOutcome() for shard in runners}
         ids = [timer_id for _, chunk in work for timer_id in chunk]
         now_ms = self.clock.now_ms()
-        deadline = time.monotonic() + self.conf.BATCH_TIME_BUDGET_S
         free = self.external.free
         with transaction.atomic(using=self.db), collecting() as announced:
             tokens = {shard: runner.token for shard, runner in runners.items()}
@@ -289,7 +295,7 @@ class Firer:
                         self.recorder.uncounted(timer, out)
                     elif timer.id in counted.suspects and len(due) > 1 and self._atomic(timer):
                         out.alone.append(timer)  # fires after the batch, in one of its own
-                    elif time.monotonic() > deadline:
+                    elif time.monotonic() > deadline and timer.id not in (failed or ()):
                         out.leftover.append(timer)  # budget spent: next batch takes it
                     else:
                         out.lateness_ms.append(now_ms - timer.fire_at_ms)

@@ -114,6 +114,25 @@ def test_a_hung_atomic_handler_is_interrupted_at_its_timeout(engine, clock):
     assert "HandlerTimeout: the handler ran past its timeout of 0.3 s" in bad.last_error
 
 
+def test_a_batch_redone_after_a_hang_keeps_the_budget_the_hang_spent(start_engine, clock):
+    # Found by the chaos run: two hanging atomic handlers in one batch, the first on
+    # the fast path, the second in the careful redo, which had a budget of its own:
+    # the loop was held for two timeouts without renewing its leases, past LEASE_TTL_S.
+    engine = start_engine({**SETTINGS, "BATCH_TIME_BUDGET_S": 0.1}, threads=2)
+    first = durable.schedule(poison.atomic_sleeper, args=[30])
+    clock.advance(1)
+    second = durable.schedule(poison.atomic_sleeper, args=[30])
+    load(engine, clock)
+    engine.tick()
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert first.state == TimerState.FAILED and "HandlerTimeout" in first.last_error
+    assert (second.state, second.attempts) == (TimerState.PENDING, 0), "the redo ran it too"
+    turns(engine, clock, n=3)
+    second.refresh_from_db()
+    assert second.state == TimerState.FAILED and "HandlerTimeout" in second.last_error
+
+
 def test_a_hung_external_handler_is_abandoned_and_its_thread_replaced(engine, clock):
     gate = poison.GATES.setdefault("slow", threading.Event())
     gate.clear()
