@@ -68,7 +68,7 @@ class Verdict:
     ops: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     lateness: dict[str, int] = field(default_factory=dict)
-    """Worst lateness (ms) after each fault kind, counted from the fault's start (or the
+    """Worst lateness (ms) after each fault kind, counted from the fault's end (or the
     due time, if later); ``none``: work no fault could have delayed, counted from its due
     time. Each late fire counts for the fault that explains the most lateness."""
     worst: dict[str, str] = field(default_factory=dict)
@@ -77,6 +77,9 @@ class Verdict:
     """Invariants whose violations are reported without failing the run."""
     checked: Counter[str] = field(default_factory=Counter)
     """How many items each invariant looked at."""
+    chained: int = 0
+    """Fires within their bound only because a fault struck during the recovery from
+    another (see :func:`chaos.lateness.explain`)."""
 
     @property
     def ok(self) -> bool:
@@ -366,9 +369,11 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
     for what, due, fired in samples:
         allowed, cover = explain(due, fired, faults, bounds)
         if cover:
-            # The fault that explains the most lateness; figures count from its start.
-            culprit = max(cover, key=lambda f: max(due, f["start_ms"]) + bounds.after(f))
-            kind, late = culprit["kind"], fired - max(due, culprit["start_ms"])
+            # The fault that explains the most lateness; figures count from its end (a
+            # freeze's SIGCONT, a lock's release; a kill's is its start).
+            culprit = max(cover, key=lambda f: f["start_ms"] + bounds.after(f))
+            end = culprit.get("end_ms", culprit["start_ms"])
+            kind, late = culprit["kind"], fired - max(due, end)
         else:
             kind, late = "none", fired - due
         if late >= worst.get(kind, -1):
@@ -377,6 +382,8 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
                 f", {kind} at {culprit['start_ms']} ({culprit.get('target')})" if cover else ""
             )
         v.checked["lateness_within_bound"] += 1
+        if fired <= allowed and fired > explain(due, fired, faults, bounds, chain=False)[0]:
+            v.chained += 1
         if fired > allowed:
             near = [f"{f['kind']}@{f['start_ms']}" for f in cover] or ["no fault"]
             v.flag(

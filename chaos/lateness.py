@@ -24,7 +24,7 @@ class Bounds:
         return int((2 * self.rescan_s + self.batch_budget_s + 1) * 1000)
 
     def after(self, fault: dict[str, Any]) -> int:
-        """Lateness allowed after ``fault``, counted from its start (or the due time)."""
+        """When the worker must have recovered from ``fault``, counted from its start."""
         kind = fault["kind"]
         ttl = self.lease_ttl_s * 1000
         span = fault.get("end_ms", fault["start_ms"]) - fault["start_ms"]
@@ -46,20 +46,33 @@ class Bounds:
 
 
 def explain(
-    due: int, fired: int, faults: list[dict[str, Any]], bounds: Bounds
+    due: int, fired: int, faults: list[dict[str, Any]], bounds: Bounds, *, chain: bool = True
 ) -> tuple[int, list[dict[str, Any]]]:
     """When a fire due at ``due`` may come at the latest, and the faults that explain it.
 
-    A fault explains a late fire if it began before the fire was due (give or take the
-    healthy lateness) and still held at the due time; the fire may then come as late as
-    the fault's bound after the later of its start and the due time.
+    A fault's recovery is due :meth:`Bounds.after` its start (for one that lasts, a
+    freeze or a held lock, that is a fixed time after its end). It explains a late fire
+    if its recovery was not over at the due time and it began while the fire could
+    still be waiting within its bounds: before its due time plus the healthy lateness,
+    or during the recovery from a fault that already explains it (a fault that strikes
+    while the worker recovers from another starts the recovery over, so the bound
+    counts from the end of the last one). The fire may come as late as the latest
+    recovery of the faults that explain it. ``chain=False``: only faults that began
+    before the due time plus the healthy lateness count.
     """
     allowed = due + bounds.healthy_ms
-    cover = []
-    for fault in faults:
-        start = fault["start_ms"]
-        began = start <= min(fired, due + bounds.healthy_ms)
-        if began and due <= fault.get("end_ms", start) + bounds.after(fault):
-            cover.append(fault)
-            allowed = max(allowed, max(due, start) + bounds.after(fault))
+    cover: list[dict[str, Any]] = []
+    left = sorted(faults, key=lambda f: f["start_ms"])
+    grew = True
+    while grew:
+        grew = False
+        for fault in list(left):
+            start = fault["start_ms"]
+            if start > min(fired, allowed if chain else due + bounds.healthy_ms):
+                break  # sorted by start: none of the rest began in time (yet)
+            if due <= start + bounds.after(fault):
+                cover.append(fault)
+                left.remove(fault)
+                allowed = max(allowed, start + bounds.after(fault))
+                grew = True
     return allowed, cover

@@ -26,9 +26,10 @@ def table(verdict: Verdict) -> str:
         if bad and name in verdict.reported:
             mark = "   <-- reported (not failing the run)"
         lines.append(f"  {name:<28} {verdict.checked.get(name, 0):>8,} {bad:>10,}{mark}")
-    lines += ["", "worst lateness after each kind of fault (ms)", "----------"]
+    lines += ["", "worst lateness after each kind of fault, from its end (ms)", "----------"]
     for kind, worst in sorted(verdict.lateness.items()):
         lines.append(f"  {kind:<28} {worst:>10,}   {verdict.worst.get(kind, '')}")
+    lines.append(f"  fires within bounds only through a chain of faults: {verdict.chained:,}")
     return "\n".join(lines)
 
 

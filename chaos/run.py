@@ -307,6 +307,7 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
                 "ops": verdict.ops,
                 "checked": verdict.checked,
                 "lateness_ms": verdict.lateness,
+                "chained": verdict.chained,
                 "worst": verdict.worst,
                 "violations": verdict.violations,
             },

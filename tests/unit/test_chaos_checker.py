@@ -238,7 +238,7 @@ def test_a_hanging_atomic_poison_excuses_the_fires_its_worker_held_up():
     h = broken(change)
     verdict = check(h)
     assert verdict.ok, verdict.violations
-    assert verdict.lateness["poison_hang"] == 11_000
+    assert verdict.lateness["poison_hang"] == 1_000, "counted from its dead letter"
     h.ops.pop()  # without the poison, nothing explains 11 s
     assert "lateness_within_bound" in flagged(h)
 
@@ -249,3 +249,26 @@ def test_lateness_can_be_reported_without_failing_the_run_and_nothing_else_can()
     assert verdict.ok and verdict.violations["lateness_within_bound"]
     twice = broken(lambda h: h.ledger.append(("t1", 9000, 1000)))
     assert not check(twice, report_only=frozenset({"lateness_within_bound"})).ok
+
+
+def test_a_fault_during_the_recovery_from_another_starts_the_recovery_over():
+    # A freeze from 0 to 8 s allows the fire due at 1 s until 2 s after SIGCONT (10 s);
+    # a lock taken at 9.5 s, during that recovery, held to 12 s, allows 9 s more after
+    # its release (21 s): a bound counts from the end of the last fault that held it up.
+    stop = {"kind": "stop", "start_ms": 0, "end_ms": 8000, "target": "w1"}
+
+    def late(lock_at: int, fired: int) -> History:
+        def change(h: History) -> None:
+            h.faults += [stop, {"kind": "lock", "start_ms": lock_at, "end_ms": 12_000}]
+            h.ledger[0] = ("t1", fired, 1000)
+
+        return broken(change)
+
+    chained = check(late(9500, 21_000))
+    assert chained.ok, chained.violations
+    assert chained.lateness["lock"] == 21_000 - 12_000, "counted from the lock's release"
+    assert chained.chained == 1, "counted apart: the stop alone allows 10 s"
+    assert "lateness_within_bound" in flagged(late(9500, 21_001))
+    # A lock taken after the recovery was due (10 s) explains nothing of the lateness.
+    found = flagged(late(10_001, 20_000))["lateness_within_bound"]
+    assert "lock@" not in found[0] and "stop@0" in found[0]
