@@ -12,6 +12,11 @@ Kinds: ``timer`` (atomic, external or flaky handler, maybe with a key, a parent 
 ``on_complete``), ``dup`` (the same key scheduled again), ``cancel``, ``reschedule``,
 ``workflow``, ``signal``, ``poison`` and ``cron``. The checker reads nothing else from
 this process.
+
+Faster: ``--threads N`` runs N generators at once (own seeds, own operation ids, one
+history; the schedules are made once), and ``--together K`` schedules plain timers K to
+a transaction, each still a record of its own with the transaction's outcome and times.
+``--rate`` counts transactions a second, over all threads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import heapq
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,11 +50,14 @@ class Rollback(Exception):
 class Generator:
     """Picks operations at random (seeded) and runs each in its own transaction."""
 
-    def __init__(self, out: IO[str], seed: int, rate: float) -> None:
+    def __init__(self, out: IO[str], seed: int, rate: float, lock: Any = None) -> None:
         self.out = out
         self.rng = random.Random(seed)
         self.rate = rate
-        self.count = 0
+        self.lock = lock or threading.Lock()  # generators in threads share the history
+        self.count = 0  # a generator in a thread starts at its own offset: ids never collide
+        self.make_crons = True
+        self.together = 1  # plain timers per transaction
         self.later: list[tuple[float, int, Callable[[], None]]] = []
         self.n_later = 0
         self.poisons = 0
@@ -60,11 +69,21 @@ class Generator:
         return f"{prefix}{self.count}"
 
     def write(self, record: dict[str, Any]) -> None:
-        self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self.out.flush()
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self.lock:
+            self.out.write(line)
+            self.out.flush()
 
-    def run_txn(self, record: dict[str, Any], body: Callable[[], dict[str, Any] | None]) -> bool:
-        """Run ``body`` in a transaction (rolled back when ``record['rollback']``)."""
+    def run_txn(
+        self,
+        record: dict[str, Any],
+        body: Callable[[], dict[str, Any] | None],
+        also: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """Run ``body`` in a transaction (rolled back when ``record['rollback']``).
+
+        ``also``: more operations of the same transaction (``body`` fills them in): each
+        is written as a record of its own, with the transaction's outcome and times."""
         from django.db import close_old_connections, connection, transaction
 
         record["t0"] = wall_ms()
@@ -82,7 +101,9 @@ class Generator:
             connection.close()
             close_old_connections()
         record["t1"] = wall_ms()
-        self.write(record)
+        for other in [record, *(also or [])]:
+            keep = ("status", "t0", "t1", "error", "rollback")
+            self.write({**other, **{k: record[k] for k in keep if k in record}})
         return record["status"] == "committed"
 
     def defer(self, seconds: float, action: Callable[[], None]) -> None:
@@ -141,6 +162,33 @@ class Generator:
             self.defer(self.rng.uniform(0, 2.0), lambda: self.cancel(op, timer_id))
         elif roll < 0.25:
             self.defer(self.rng.uniform(0, 1.5), lambda: self.reschedule(op, timer_id))
+
+    def timers_together(self) -> None:
+        """``together`` timers scheduled in one transaction (a record each)."""
+        import durable
+        from testproject.demo import chaos
+
+        rng = self.rng
+        rollback = rng.random() < 0.1
+        records: list[dict[str, Any]] = []
+        calls: list[tuple[Any, list[Any], int]] = []
+        for _ in range(self.together):
+            handler = rng.choice(["atomic", "atomic", "external", "flaky"])
+            op = self.op_id("t")
+            record: dict[str, Any] = {"kind": "timer", "op": op, "handler": handler}
+            args: list[Any] = [op]
+            if handler == "flaky":
+                record["fail_times"] = rng.randint(0, 2)
+                args.append(record["fail_times"])
+            records.append({**record, "rollback": rollback})
+            calls.append((getattr(chaos, handler), args, rng.randint(0, 3000)))
+
+        def body() -> None:
+            for record, (fn, args, delay_ms) in zip(records, calls, strict=True):
+                timer = durable.schedule(fn, args=args, delay=timedelta(milliseconds=delay_ms))
+                record.update(timer_id=timer.pk, due_ms=timer.fire_at_ms)
+
+        self.run_txn(records[0], body, also=records[1:])
 
     def keyed_twice(self) -> None:
         """A keyed timer, then the same key again in a later transaction: one fire."""
@@ -280,9 +328,9 @@ class Generator:
     # -- the loop -------------------------------------------------------------------------
 
     def run(self, seconds: float, poison_share: float) -> None:
-        names = self.crons(2)
+        names = self.crons(2) if self.make_crons else []
         kinds: list[tuple[float, Callable[[], None]]] = [
-            (0.55, self.plain_timer),
+            (0.55, self.plain_timer if self.together <= 1 else self.timers_together),
             (0.08, self.keyed_twice),
             (0.07, self.family),
             (0.30 - poison_share, self.workflow),
@@ -322,13 +370,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--rate", type=float, default=25.0, help="operations per second")
     parser.add_argument("--poison-share", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=1, help="generators at once")
+    parser.add_argument("--together", type=int, default=1, help="plain timers per transaction")
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
     import django
 
     django.setup()
+    lock = threading.Lock()
     with open(args.history, "a") as out:
-        Generator(out, args.seed, args.rate).run(args.seconds, args.poison_share)
+        threads = []
+        for i in range(args.threads):  # own seeds and ids; one makes the schedules
+            gen = Generator(out, args.seed + i, args.rate / args.threads, lock=lock)
+            gen.count, gen.make_crons, gen.together = i * 100_000_000, i == 0, args.together
+            threads.append(threading.Thread(target=gen.run, args=(args.seconds, args.poison_share)))
+            threads[-1].start()
+        for thread in threads:
+            thread.join()
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=None, help="default: today (YYYYMMDD)")
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--rate", type=float, default=25.0, help="load operations per second")
+    parser.add_argument("--rate", type=float, default=25.0, help="load transactions per second")
+    parser.add_argument("--load-threads", type=int, default=1, help="load generators at once")
+    parser.add_argument("--together", type=int, default=1, help="plain timers per load transaction")
     parser.add_argument("--fault-every-s", type=float, default=5.0, help="mean time between")
     parser.add_argument("--drain-s", type=float, default=120.0)
     parser.add_argument("--database-url", default=os.environ.get("CHAOS_DATABASE_URL", DEFAULT_URL))
@@ -215,6 +217,10 @@ def start_load(args: argparse.Namespace, history: Path, out: Path) -> subprocess
         str(args.minutes * 60),
         "--rate",
         str(args.rate),
+        "--threads",
+        str(args.load_threads),
+        "--together",
+        str(args.together),
     ]
     log = (out / "load.log").open("ab")
     return subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log)
