@@ -1,6 +1,6 @@
 """Attempts counted before a handler runs, and claims that belong to a lease token.
 
-Two promises of DESIGN §5b and §12 live here:
+The promises of DESIGN §5b and §12 that live here:
 
 - **An attempt is counted before its handler runs.** :func:`count_attempts` commits
   ``attempts + 1`` for a batch's due timers in a short transaction of its own, before
@@ -11,6 +11,10 @@ Two promises of DESIGN §5b and §12 live here:
   cluster. That transaction commits asynchronously on PostgreSQL: the server keeps it
   however the worker dies; only a crash of the database server itself can take the
   count back (and then the timer runs once more than ``max_attempts``).
+- **An attempt that never took effect is given back** (:func:`give_back`): when a
+  batch's transaction fails and its worker lives on, nothing of it happened; the worker
+  (:mod:`durable.worker.attempts`) gives its attempts back, on the condition that the
+  row still has the attempts and token it was counted with.
 - **A claim belongs to the token it was made under.** A claimed (``firing``) row
   records ``claim_token``. When a worker takes a shard over, it re-runs at once the
   claims of older tokens (:func:`release_stale_claims`): their worker is gone or has
@@ -45,9 +49,11 @@ class Counted:
     ids: set[int] = field(default_factory=set)
     """Timers whose attempt was counted: the batch may run them."""
     suspects: set[int] = field(default_factory=set)
-    """Of ``ids``, pending timers whose previous attempt never recorded an outcome: the
-    firer runs each alone, so a handler that kills its process costs no neighbour an
-    attempt again."""
+    """Of ``ids``, pending timers whose previous attempt never recorded an outcome."""
+    held: set[int] = field(default_factory=set)
+    """Suspects found among other due timers, not counted: the firer runs each alone
+    (and counts it then), so a handler that kills its process costs no neighbour an
+    attempt again, and a neighbour that does costs the suspect none."""
     attempts: dict[int, int] = field(default_factory=dict)
     """For each of ``ids``, its ``attempts`` once counted (what :func:`give_back` checks)."""
 
@@ -60,8 +66,9 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     counted: the firer dead-letters them. Each counted row records the token its attempt
     started under in ``claim_token`` (every outcome clears it), so a pending row found
     with one set is a *suspect*: an attempt of it started and never recorded an outcome,
-    most likely because it took its worker down. On PostgreSQL one statement, committed
-    asynchronously.
+    most likely because it took its worker down. A suspect is counted only when it is
+    the one timer due of ``ids``; among others it is *held* (:attr:`Counted.held`). On
+    PostgreSQL one statement, committed asynchronously.
     """
     conn = connections[db]
     shards = sorted(tokens)
@@ -79,7 +86,9 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
             return Counted(stale=stale)
         with statements.cursor(db) as cursor:
             cursor.execute(select, [_PENDING, *params])
-            rows = cursor.fetchall()
+            due = cursor.fetchall()
+            held = {r[0] for r in due if r[1]} if len(due) > 1 else set()
+            rows = [r for r in due if r[0] not in held]
             if rows:
                 marks = ", ".join(["%s"] * len(rows))
                 cursor.execute(
@@ -88,6 +97,7 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         return Counted(
             ids={r[0] for r in rows},
             suspects={r[0] for r in rows if r[1]},
+            held=held,
             attempts={r[0]: r[2] for r in rows},
         )
     shard_array = statements.int_array(shards)
@@ -99,20 +109,22 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         "%s::bigint[]) AS ours(shard, token) LEFT JOIN lease USING (shard) "
         "WHERE lease.token IS DISTINCT FROM ours.token) AS ok), "
         f"due AS MATERIALIZED ({select} AND (SELECT ok FROM fenced) FOR UPDATE), "
+        "held AS MATERIALIZED (SELECT id FROM due WHERE suspect "
+        "AND (SELECT count(*) FROM due) > 1), "
         f"counted AS ({update} FROM due WHERE durable_timer.id = due.id "
-        "RETURNING due.id, due.suspect, due.n) "
+        "AND due.id NOT IN (SELECT id FROM held) RETURNING due.id, due.suspect, due.n) "
         "SELECT (SELECT ok FROM fenced), array(SELECT ARRAY[id, n]::bigint[] FROM counted), "
-        f"array(SELECT id FROM counted WHERE suspect), {LAZY_COMMIT}"
+        f"array(SELECT id FROM counted WHERE suspect), array(SELECT id FROM held), {LAZY_COMMIT}"
     )
     with statements.cursor(db) as cursor:
         cursor.execute(
             sql, [shard_array, shard_array, tokens_array, _PENDING, *params, *token_params]
         )
-        ok, counted, suspects, _ = cursor.fetchone()
+        ok, counted, suspects, held, _ = cursor.fetchone()
     if not ok:
         return Counted(stale=fence_shards(db, tokens))
     attempts = {timer_id: n for timer_id, n in counted}
-    return Counted(ids=set(attempts), suspects=set(suspects), attempts=attempts)
+    return Counted(ids=set(attempts), suspects=set(suspects), held=set(held), attempts=attempts)
 
 
 def uncount(db: str, ids: Sequence[int]) -> None:

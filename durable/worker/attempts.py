@@ -14,7 +14,8 @@ worker gives them back, except where the failure may be the handler's own doing:
   have run after commit, those after the failure, or all of them when it came before
   any handler ran) gets its attempt back, as if it had never been counted;
 - a timer whose atomic handler ran in the failed batch gets it back, but stays a
-  *suspect*: its next attempt runs in a batch of its own;
+  *suspect*: its next attempt runs in a batch of its own (as does one that was a
+  suspect already);
 - the attempt stays spent when the database error surfaced inside the timer's own
   handler, or when its handler was the only one that ran: a handler that breaks its
   own session (one that terminates it, say) must still reach its dead letter.
@@ -74,8 +75,8 @@ class AttemptTracker:
         kept = self.blamed & unsettled
         if len(ran) == 1:
             kept |= ran
-        clear = unsettled - ran - kept
-        suspect = ran - kept
+        clear = unsettled - ran - kept - self.counted.suspects  # suspects stay suspects
+        suspect = unsettled - kept - clear
 
         def plan(ids: set[int]) -> dict[int, tuple[int, int]]:
             return {i: (self.counted.attempts[i], self.tokens[i]) for i in ids}

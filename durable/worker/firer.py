@@ -18,9 +18,9 @@ Every attempt is counted before its handler runs, in a short transaction of its 
 down has used its attempt all the same; a timer due again with every attempt used is
 dead-lettered (:class:`~durable.exceptions.AttemptsExhausted`), and a *suspect* (an
 attempt of it started and never recorded an outcome) runs alone in a batch of its own,
-so it costs no neighbour an attempt again. A handler that raises anything, a
-``BaseException`` included, fails only its own attempt; an atomic one that runs past
-its timeout is interrupted (:mod:`durable.worker.deadline`).
+counted only then, so it costs no neighbour an attempt again, nor a neighbour it. A
+handler that raises anything, a ``BaseException`` included, fails only its own attempt;
+an atomic one that runs past its timeout is interrupted (:mod:`durable.worker.deadline`).
 
 External handlers (``atomic=False``) are claimed in the batch transaction, under the
 shard's lease token, and run on :class:`~durable.worker.external.ExternalRunner`'s
@@ -145,9 +145,9 @@ class Firer:
         transaction per shard would pay a commit (a WAL flush) for each. Keep a batch to
         ``BATCH_SIZE`` ids in all (see :func:`pack`). A shard whose lease was lost gets an
         outcome with ``lost`` set (nothing of it fired), and the other shards still fire.
-        Suspects (see :mod:`durable.storage.claims`) with atomic handlers fire after the
-        rest, one per batch: only an atomic handler runs inside its batch's transaction,
-        where taking the process down would cost its neighbours an attempt.
+        Suspects held by the count (see :mod:`durable.storage.claims`) fire after the
+        rest, one per batch, each counted just before: a neighbour that takes the process
+        down must not cost them an attempt they never started, nor they their neighbours.
         """
         work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
         work = [(runner, ids) for runner, ids in work if ids]
@@ -158,23 +158,36 @@ class Firer:
         runners = {runner.shard: runner for runner, _ in work}
         tokens = {i: runner.token for runner, ids in work for i in ids if i in counted.ids}
         self.attempts = attempts = AttemptTracker(self.db, counted, tokens)
-        parts: list[Work] = [work]
+        parts: list[tuple[Work, bool]] = [(work, False)]
         try:
             while parts:
-                part = [(r, ids) for r, ids in parts.pop(0) if ids and r.shard not in lost]
+                part, alone_part = parts.pop(0)
+                part = [(r, ids) for r, ids in part if ids and r.shard not in lost]
+                if alone_part:  # a held suspect: counted now, alone
+                    self._recount(part, counted, lost)
                 done = self._fire_contained(part, counted, lost)
                 alone = {timer.id for outcome in done.values() for timer in outcome.alone}
                 attempts.settle(i for r, ids in part if r.shard in done for i in ids)
                 attempts.settled -= alone
                 for shard, outcome in done.items():
                     merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
-                    parts += [[(runners[shard], [timer.id])] for timer in outcome.alone]
+                    parts += [([(runners[shard], [timer.id])], True) for timer in outcome.alone]
                     outcome.alone.clear()
         except (OperationalError, InterfaceError):
             attempts.give_back(reconnect=True)  # this worker lives: see durable.worker.attempts
             raise
         attempts.give_back(reconnect=False)  # counted on shards found lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
+
+    def _recount(self, part: Work, counted: claims.Counted, lost: dict[int, str]) -> None:
+        """Count a held suspect's attempt, now that it runs alone (into ``counted``)."""
+        more = self._count(part, lost)
+        for runner, ids in part:
+            counted.held.difference_update(ids)
+            self.attempts.tokens.update((i, runner.token) for i in ids if i in more.ids)
+        counted.ids.update(more.ids)
+        counted.suspects.update(more.suspects)
+        counted.attempts.update(more.attempts)
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
         """Count the attempts of the work's due timers, committed before any runs.
@@ -291,10 +304,10 @@ class Firer:
             ):
                 for timer in due:
                     out = outcomes[timer.shard]
-                    if timer.id not in counted.ids:
-                        self.recorder.uncounted(timer, out)
-                    elif timer.id in counted.suspects and len(due) > 1 and self._atomic(timer):
+                    if timer.id in counted.held:
                         out.alone.append(timer)  # fires after the batch, in one of its own
+                    elif timer.id not in counted.ids:
+                        self.recorder.uncounted(timer, out)
                     elif time.monotonic() > deadline and timer.id not in (failed or ()):
                         out.leftover.append(timer)  # budget spent: next batch takes it
                     else:
@@ -364,14 +377,6 @@ class Firer:
         now_ms = self.clock.now_ms()
         if not self.outcomes.give_up(runner.shard, runner.token, timer_id, exc, now_ms):
             self.quarantined.add(timer_id)
-
-    def _atomic(self, timer: store.DueTimer) -> bool:
-        """Whether the timer's handler would run inside the batch transaction."""
-        try:
-            spec = self._resolve(timer)
-        except Exception:  # its failure is recorded when it runs
-            return False
-        return spec.atomic and timer.kind not in self.external.shipped
 
     def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
         try:

@@ -239,3 +239,35 @@ def test_the_end_of_the_grace_period_exits_and_the_next_owner_reruns_the_claim(
         )
     finally:
         pool.stop_all()
+
+
+def test_a_neighbours_crash_costs_a_suspect_no_attempt(cluster):
+    # Found by the chaos run (seed 1): a suspect (an earlier attempt of it never recorded
+    # an outcome) is run alone, after the rest of its batch, but its attempt was counted
+    # with the rest: a neighbour that exited the process then spent the suspect's last
+    # attempt, and it was dead-lettered (AttemptsExhausted) without having run. Now a
+    # suspect among other due timers is held and counted only when it runs, alone.
+    from django.db import transaction
+
+    soon = _ms(1500)  # in the wheels before they are due: fired in one batch
+    with transaction.atomic():
+        suspects = [
+            durable.schedule(probes.record, args=[f"s{i}"], max_attempts=2, delay=soon)
+            for i in range(6)
+        ]
+        bad = durable.schedule(poison.atomic_poison, args=["exit"], delay=soon)
+        ids = [t.pk for t in suspects]
+        Timer.objects.filter(pk__in=ids).update(attempts=1, claim_token=1)  # one attempt left
+    cluster.wait(
+        lambda: (
+            Timer.objects.filter(pk__in=ids, state=TimerState.PENDING).count() == 0
+            and Timer.objects.filter(pk=bad.pk, state=TimerState.FAILED).exists()
+        ),
+        timeout_s=DEFAULTS.LEASE_TTL_S * 4 + 30,
+        what="the suspects finished and the poison dead-lettered",
+    )
+    rows = Timer.objects.filter(pk__in=ids).order_by("pk")
+    assert [(t.state, t.attempts) for t in rows] == [(TimerState.FIRED, 2)] * 6, [
+        (t.pk, t.state, t.attempts, t.last_error) for t in rows
+    ]
+    assert fired_count("s") == 6 and duplicated_keys("s") == {}
