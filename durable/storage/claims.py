@@ -140,7 +140,9 @@ def uncount(db: str, ids: Sequence[int]) -> None:
         )
 
 
-def give_back(db: str, counted: Mapping[int, tuple[int, int]], *, suspect: bool) -> int:
+def give_back(
+    db: str, counted: Mapping[int, tuple[int, int]], now_ms: int, *, suspect: bool
+) -> int:
     """Give back attempts counted for a batch that never took effect; return how many.
 
     ``counted`` maps a timer id to ``(attempts, token)``: its ``attempts`` as
@@ -149,7 +151,10 @@ def give_back(db: str, counted: Mapping[int, tuple[int, int]], *, suspect: bool)
     claimed or finished it since: not a new owner, not this worker's next turn) and it
     is unfinished. ``suspect`` keeps ``claim_token`` set, so the row stays a *suspect*
     and its next attempt runs alone (its handler ran in the batch that failed);
-    otherwise it is cleared, as if the attempt had never been counted.
+    otherwise it is cleared, as if the attempt had never been counted. A row left
+    ``firing`` under the token (the batch's commit went through though the worker saw
+    an error: its external claims were never run) has its claim expire at ``now_ms``,
+    so it runs again at once rather than after ``CLAIM_TIMEOUT_S``.
     """
     items = sorted(counted.items())
     token_sql = "claim_token" if suspect else "NULL"
@@ -159,9 +164,16 @@ def give_back(db: str, counted: Mapping[int, tuple[int, int]], *, suspect: bool)
             chunk = items[start : start + 100]
             match = " OR ".join(["(id = %s AND attempts = %s AND claim_token = %s)"] * len(chunk))
             cursor.execute(
-                f"UPDATE durable_timer SET attempts = attempts - 1, claim_token = {token_sql} "
+                f"UPDATE durable_timer SET attempts = attempts - 1, claim_token = {token_sql}, "
+                "claim_expires_ms = CASE WHEN state = %s THEN %s ELSE claim_expires_ms END "
                 f"WHERE state IN (%s, %s) AND ({match})",
-                [_PENDING, _FIRING, *(v for i, (n, t) in chunk for v in (i, n, t))],
+                [
+                    _FIRING,
+                    now_ms,
+                    _PENDING,
+                    _FIRING,
+                    *(v for i, (n, t) in chunk for v in (i, n, t)),
+                ],
             )
             given += cursor.rowcount
     return given

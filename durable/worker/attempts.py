@@ -64,7 +64,7 @@ class AttemptTracker:
         """These timers' batch committed: their attempts are accounted for."""
         self.settled.update(ids)
 
-    def give_back(self, *, reconnect: bool) -> int:
+    def give_back(self, now_ms: int, *, reconnect: bool) -> int:
         """Give back the attempts of counted timers whose batch never committed (see the
         module docstring); return how many rows got one back. ``reconnect``: the batch
         failed on a database error, so the connection may be broken: use a new one."""
@@ -86,8 +86,8 @@ class AttemptTracker:
                 connections[self.db].close()
         try:
             with transaction.atomic(using=self.db):
-                given = claims.give_back(self.db, plan(clear), suspect=False)
-                given += claims.give_back(self.db, plan(suspect), suspect=True)
+                given = claims.give_back(self.db, plan(clear), now_ms, suspect=False)
+                given += claims.give_back(self.db, plan(suspect), now_ms, suspect=True)
         except DatabaseError as exc:
             event(
                 log,

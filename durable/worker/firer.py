@@ -173,10 +173,10 @@ class Firer:
                     merge(outcomes.setdefault(shard, BatchOutcome()), outcome)
                     parts += [([(runners[shard], [timer.id])], True) for timer in outcome.alone]
                     outcome.alone.clear()
-        except (OperationalError, InterfaceError):
-            attempts.give_back(reconnect=True)  # this worker lives: see durable.worker.attempts
+        except (OperationalError, InterfaceError):  # this worker lives: durable.worker.attempts
+            attempts.give_back(self.clock.now_ms(), reconnect=True)
             raise
-        attempts.give_back(reconnect=False)  # counted on shards found lost meanwhile
+        attempts.give_back(self.clock.now_ms(), reconnect=False)  # shards lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
 
     def _recount(self, part: Work, counted: claims.Counted, lost: dict[int, str]) -> None:

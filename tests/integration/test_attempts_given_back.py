@@ -13,6 +13,8 @@ dead-lettered within its attempts.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.db import InterfaceError, OperationalError, transaction
 
@@ -96,16 +98,39 @@ def test_give_back_is_conditional_on_the_counted_attempts_and_token(engine, cloc
         counted = claims.count_attempts("default", {timer.shard: token}, [timer.pk], clock.now_ms())
     assert counted.attempts == {timer.pk: 1}
     stale = {timer.pk: (1, token + 1)}, {timer.pk: (2, token)}
-    assert [claims.give_back("default", c, suspect=False) for c in stale] == [0, 0]
-    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=True) == 1
+    assert [claims.give_back("default", c, clock.now_ms(), suspect=False) for c in stale] == [0, 0]
+    assert claims.give_back("default", {timer.pk: (1, token)}, clock.now_ms(), suspect=True) == 1
     row = Timer.objects.get(pk=timer.pk)
     assert (row.attempts, row.claim_token) == (0, token), "still a suspect"
     with transaction.atomic():
         again = claims.count_attempts("default", {timer.shard: token}, [timer.pk], clock.now_ms())
     assert again.suspects == {timer.pk}
-    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=False) == 1
+    assert claims.give_back("default", {timer.pk: (1, token)}, clock.now_ms(), suspect=False) == 1
     row.refresh_from_db()
     assert (row.attempts, row.claim_token) == (0, None)
     finished = {"state": TimerState.FIRED, "attempts": 1, "claim_token": token}
     Timer.objects.filter(pk=timer.pk).update(**finished)
-    assert claims.give_back("default", {timer.pk: (1, token)}, suspect=False) == 0
+    assert claims.give_back("default", {timer.pk: (1, token)}, clock.now_ms(), suspect=False) == 0
+
+
+def test_a_claim_whose_commit_the_worker_could_not_confirm_runs_again_at_once(engine, clock):
+    # Found by the chaos run (seed 20261202): a batch's commit went through while its
+    # session was terminated, so the worker saw an error and never ran its external
+    # claims; they stayed firing under its live token until a takeover re-ran them
+    # (30 to 60 s later; CLAIM_TIMEOUT_S is 300 s). Giving the attempts back now also
+    # expires such a claim: due at once.
+    timer = durable.schedule(probes.record_external, args=["doubt"])
+    token = engine.runners[timer.shard].token
+    claimed = {"state": TimerState.FIRING, "attempts": 1, "claim_token": token}
+    until = clock.now_ms() + 300_000
+    Timer.objects.filter(pk=timer.pk).update(**claimed, claim_expires_ms=until)
+    given = claims.give_back("default", {timer.pk: (1, token)}, clock.now_ms(), suspect=False)
+    row = Timer.objects.get(pk=timer.pk)
+    assert given == 1 and (row.attempts, row.claim_expires_ms) == (0, clock.now_ms())
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    turn(engine, clock)
+    deadline = time.monotonic() + 10
+    while engine.firer.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state(timer) == (TimerState.FIRED, 1) and ledger("doubt") == ["doubt"]
