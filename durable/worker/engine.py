@@ -41,7 +41,7 @@ from durable.dispatch.registry import HandlerRegistry, handlers
 from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
 from durable.storage import leases as lease_store
-from durable.storage import statements
+from durable.storage import statements, timeline
 from durable.worker import housekeeping
 from durable.worker.batches import BatchOutcome, pack
 from durable.worker.chores import Chores
@@ -171,9 +171,11 @@ class Engine:
 
     def _guard_connection(self, sender: Any, connection: Any, **kwargs: Any) -> None:
         """Guard this loop's own PostgreSQL session (see ``housekeeping.guard_session``);
-        let every worker connection to ``DATABASE`` prepare (``statements.prepare_on``)."""
+        let every worker connection to ``DATABASE`` prepare (``statements.prepare_on``);
+        refuse a server on a stale timeline (``durable.storage.timeline``)."""
         if connection.alias != self.db:
             return
+        timeline.check(connection)  # an old primary that came back is refused
         if statements.should_prepare(self.conf):
             statements.prepare_on(connection)
         if threading.get_ident() == self._loop_thread:
@@ -370,10 +372,11 @@ class Engine:
                 runner.add(timer_id, fire_at)
 
     def _on_database_error(self, exc: Exception, backoff: float) -> None:
+        stale = isinstance(exc, timeline.StalePrimaryError)
         event(
             log,
-            logging.WARNING,
-            "database.unavailable",
+            logging.ERROR if stale else logging.WARNING,
+            "database.stale_primary" if stale else "database.unavailable",
             node=self.node,
             retry_in_s=backoff,
             error=str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
