@@ -5,7 +5,7 @@ Every node names itself (``SELF``) and the others (``PEERS``) by a *base* addres
 ``SELF``): a node behind a proxy advertises the proxy's address as ``SELF`` and binds
 elsewhere; its outgoing connections also leave from ``BIND``'s host, so the proxy can tell
 nodes apart by source address. ``run_timer_shards --raft-self/--raft-bind`` override
-``SELF``/``BIND`` for one process; the peers are then ``PEERS ∪ {SELF}`` minus the
+``SELF``/``BIND`` for one process; the peers are then ``PEERS`` plus ``SELF`` minus the
 effective self, so every node of a cluster can share one settings module.
 
 :func:`problems` reports every problem (``manage.py check``); :func:`parse` returns a

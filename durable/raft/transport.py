@@ -155,7 +155,8 @@ def transport_class(source_host: str, shard: int) -> type[TCPTransport]:
         def _onNewIncomingConnection(self, conn: Any) -> None:
             super()._onNewIncomingConnection(conn)
             try:
-                peer = "%s:%s" % conn._TcpConnection__socket.getpeername()[:2]
+                host, port = conn._TcpConnection__socket.getpeername()[:2]
+                peer = f"{host}:{port}"
             except OSError:
                 peer = "?"
             conn.encryptor = RefusingEncryptor(self._syncObj.encryptor, peer, shard)
