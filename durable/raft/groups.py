@@ -34,7 +34,7 @@ MAX_COMMAND_ENTRIES = 5_000
 """Largest number of timer entries in one Raft command (a rebuild of a million timers
 is replicated as many commands, so no one message blocks the group's heartbeats)."""
 
-BALANCE_STEP = 4
+BALANCE_STEP = 8
 """Most leaderships one balancing round hands over."""
 
 
@@ -238,7 +238,7 @@ class GroupSet:
         is left alone: transfers then made failover slower in the spike), and at most
         :data:`BALANCE_STEP` groups per round, to peers connected in that group.
         """
-        if now - self._stable_since < 2 * self.config.balance_s:
+        if now - self._stable_since < self.config.balance_s:
             return
         if any(g.leader is None for g in self.groups.values()):
             return

@@ -34,6 +34,7 @@ class LeaseRow:
     token: int
     expires_at: datetime | None
     cursor_ms: int
+    raft_term: int = 0
 
     def is_free(self, now: datetime) -> bool:
         """True when nobody holds it: no owner, or the owner let it expire."""
@@ -50,7 +51,7 @@ def ensure_shards(db: str, shards: int) -> None:
 def snapshot(db: str) -> list[LeaseRow]:
     """Return every lease row, by shard."""
     rows = ShardLease.objects.using(db).order_by("shard")
-    fields = ("shard", "owner", "token", "expires_at", "cursor_ms")
+    fields = ("shard", "owner", "token", "expires_at", "cursor_ms", "raft_term")
     return [LeaseRow(*values) for values in rows.values_list(*fields)]
 
 
@@ -68,8 +69,44 @@ def acquire(db: str, shard: int, owner: str, now_ms: int, ttl_s: float) -> int |
         candidate = leases.select_for_update(skip_locked=True).filter(free, shard=shard)
         if not candidate.exists():
             return None
+        # raft_term 0: taken by the lease rules, so any Raft leader may take it at once.
         taken = leases.filter(free, shard=shard).update(
-            owner=owner, token=F("token") + 1, expires_at=now + timedelta(seconds=ttl_s)
+            owner=owner,
+            token=F("token") + 1,
+            expires_at=now + timedelta(seconds=ttl_s),
+            raft_term=0,
+        )
+        if not taken:
+            return None
+        token: int = leases.values_list("token", flat=True).get(shard=shard)
+    return token
+
+
+def acquire_as_leader(
+    db: str, shard: int, owner: str, now_ms: int, ttl_s: float, term: int
+) -> int | None:
+    """Take ``shard`` as its Raft leader of ``term``; return the new token, or None.
+
+    One conditional UPDATE: it wins when the lease is free or expired (as :func:`acquire`)
+    or when the row records an older Raft term than ``term``, so a newly elected leader
+    takes the shard at once, without waiting for the old owner's lease to run out. The
+    token goes up (the old owner's next fenced statement fails) and the term is stored.
+    A row locked by a firing transaction is skipped this time, as in :func:`acquire`.
+    """
+    now = ms_to_dt(now_ms)
+    takeable = (
+        Q(owner="") | Q(expires_at__isnull=True) | Q(expires_at__lte=now) | Q(raft_term__lt=term)
+    )
+    leases = ShardLease.objects.using(db)
+    with transaction.atomic(using=db):
+        candidate = leases.select_for_update(skip_locked=True).filter(takeable, shard=shard)
+        if not candidate.exists():
+            return None
+        taken = leases.filter(takeable, shard=shard).update(
+            owner=owner,
+            token=F("token") + 1,
+            expires_at=now + timedelta(seconds=ttl_s),
+            raft_term=max(term, 0),
         )
         if not taken:
             return None
@@ -186,16 +223,30 @@ def register_node(db: str, name: str, host: str, pid: int, now_ms: int) -> None:
     )
 
 
-def heartbeat(db: str, name: str, shards: Iterable[int], now_ms: int) -> None:
-    """Record that this worker is alive and which shards it holds."""
-    WorkerNode.objects.using(db).filter(name=name).update(
-        heartbeat_at=ms_to_dt(now_ms), shards=sorted(shards), stopped_at=None
-    )
+def heartbeat(
+    db: str,
+    name: str,
+    shards: Iterable[int],
+    now_ms: int,
+    raft: Mapping[int, Mapping[str, object]] | None = None,
+) -> None:
+    """Record that this worker is alive, which shards it holds and (Raft on) its view
+    of each shard's group: role, term, leader (JSON keys are shard numbers as strings)."""
+    fields: dict[str, object] = {
+        "heartbeat_at": ms_to_dt(now_ms),
+        "shards": sorted(shards),
+        "stopped_at": None,
+    }
+    if raft is not None:
+        fields["raft"] = {str(shard): dict(view) for shard, view in raft.items()}
+    WorkerNode.objects.using(db).filter(name=name).update(**fields)
 
 
 def mark_stopped(db: str, name: str, now_ms: int) -> None:
     """Record a clean stop, so other workers stop counting this one at once."""
-    WorkerNode.objects.using(db).filter(name=name).update(stopped_at=ms_to_dt(now_ms), shards=[])
+    WorkerNode.objects.using(db).filter(name=name).update(
+        stopped_at=ms_to_dt(now_ms), shards=[], raft={}
+    )
 
 
 def live_node_names(db: str, now_ms: int, ttl_s: float) -> set[str]:
