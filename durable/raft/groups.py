@@ -128,17 +128,19 @@ class GroupSet:
         consumer_class = _consumer_class()
         c = self.config
         for shard in self.shards:
+            low, high = election_window(c, shard)
             conf = SyncObjConf(
                 password=c.password,
                 bindAddress=c.group_address(c.bind, shard),
                 autoTick=False,  # the sidecar ticks (see the module docstring)
                 useFork=False,  # never fork a multi-threaded worker (log compaction)
                 appendEntriesPeriod=c.heartbeat_s,
-                raftMinTimeout=c.election_min_s,
-                raftMaxTimeout=c.election_max_s,
-                # A leader cut off from its peers steps down after this, so it stops
-                # claiming the shard while the majority elects another.
-                leaderFallbackTimeout=c.election_max_s,
+                raftMinTimeout=low,
+                raftMaxTimeout=high,
+                # A leader cut off from its peers steps down after this. Not shorter:
+                # at one election timeout, a loaded machine (a late tick or two) made
+                # healthy leaders step down in bulk, and every step-down is a takeover.
+                leaderFallbackTimeout=max(2.0, 2 * c.election_max_s),
                 connectionRetryTime=max(c.heartbeat_s * 2, 0.2),
                 connectionTimeout=max(c.election_max_s, 1.0),
                 # The journal lives in memory: what it loses, the rows still have.
@@ -277,6 +279,11 @@ class GroupSet:
         """The base address of shard ``shard``'s last known leader, or None."""
         return self.groups[shard].leader
 
+    def led_by_other(self, shard: int) -> bool:
+        """True when another node is known to lead shard ``shard``'s group."""
+        leader = self.groups[shard].leader
+        return leader is not None and leader != self.config.self_addr
+
     def has_quorum(self, shard: int) -> bool:
         """A leader is known, or was within one election timeout (else: lease fallback)."""
         group = self.groups[shard]
@@ -322,6 +329,24 @@ class GroupSet:
                 "standby": len(group.consumer.standby),
             }
         return out
+
+
+def election_window(config: RaftConfig, shard: int) -> tuple[float, float]:
+    """This node's election timeout range in shard ``shard``'s group.
+
+    ``ELECTION_TIMEOUT_S`` is cut into one slice per node, and each group ranks the nodes
+    in a rotation of their sorted addresses (shard ``s`` starts at node ``s mod n``): the
+    node ranked first times out first. With fully random timeouts in one shared range,
+    the two survivors of a killed leader often stood for election together, split the
+    vote and tried again (up to 3.3 s in the SIGKILL test, on a loaded machine); with
+    slices, the next in rank wins at once, and at start-up the leaderships come out
+    spread evenly across the nodes without any transfer.
+    """
+    nodes = sorted({config.self_addr, *config.peers})
+    rank = (nodes.index(config.self_addr) - shard) % len(nodes)
+    step = (config.election_max_s - config.election_min_s) / len(nodes)
+    low = config.election_min_s + rank * step
+    return low, low + step * 0.7
 
 
 def _node(address: str) -> Any:

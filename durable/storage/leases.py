@@ -83,35 +83,41 @@ def acquire(db: str, shard: int, owner: str, now_ms: int, ttl_s: float) -> int |
 
 
 def acquire_as_leader(
-    db: str, shard: int, owner: str, now_ms: int, ttl_s: float, term: int
-) -> int | None:
-    """Take ``shard`` as its Raft leader of ``term``; return the new token, or None.
+    db: str, terms: Mapping[int, int], owner: str, now_ms: int, ttl_s: float
+) -> dict[int, int]:
+    """Take the shards in ``terms`` (shard → this node's Raft term) as their Raft leader;
+    return the new token of each shard taken.
 
-    One conditional UPDATE: it wins when the lease is free or expired (as :func:`acquire`)
-    or when the row records an older Raft term than ``term``, so a newly elected leader
-    takes the shard at once, without waiting for the old owner's lease to run out. The
-    token goes up (the old owner's next fenced statement fails) and the term is stored.
-    A row locked by a firing transaction is skipped this time, as in :func:`acquire`.
+    One conditional UPDATE for all of them: a row is taken when its lease is free or
+    expired (as :func:`acquire`) or when it records an older Raft term than ours, so a
+    newly elected leader takes the shard at once, without waiting for the old owner's
+    lease to run out. The token goes up (the old owner's next fenced statement fails) and
+    the term is stored. Rows locked by a firing transaction are skipped (SKIP LOCKED, as
+    in :func:`acquire`): taken on a later turn.
     """
-    now = ms_to_dt(now_ms)
+    if not terms:
+        return {}
+    conn = connections[db]
+    shards = sorted(terms)
+    marks = ", ".join(["%s"] * len(shards))
+    term_of = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
+    term_params = [v for s in shards for v in (s, terms[s])]
+    now = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    expires = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms) + timedelta(seconds=ttl_s))
     takeable = (
-        Q(owner="") | Q(expires_at__isnull=True) | Q(expires_at__lte=now) | Q(raft_term__lt=term)
+        f"shard IN ({marks}) AND (owner = '' OR expires_at IS NULL OR expires_at <= %s "
+        f"OR raft_term < {term_of})"
     )
-    leases = ShardLease.objects.using(db)
-    with transaction.atomic(using=db):
-        candidate = leases.select_for_update(skip_locked=True).filter(takeable, shard=shard)
-        if not candidate.exists():
-            return None
-        taken = leases.filter(takeable, shard=shard).update(
-            owner=owner,
-            token=F("token") + 1,
-            expires_at=now + timedelta(seconds=ttl_s),
-            raft_term=max(term, 0),
+    skip = " FOR UPDATE SKIP LOCKED" if conn.features.has_select_for_update_skip_locked else ""
+    with transaction.atomic(using=db), conn.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE durable_shardlease SET owner = %s, token = token + 1, expires_at = %s, "
+            f"raft_term = {term_of}, updated_at = %s WHERE shard IN ("
+            f"SELECT shard FROM durable_shardlease WHERE {takeable}{skip}) "
+            "RETURNING shard, token",
+            [owner, expires, *term_params, now, *shards, now, *term_params],
         )
-        if not taken:
-            return None
-        token: int = leases.values_list("token", flat=True).get(shard=shard)
-    return token
+        return {shard: token for shard, token in cursor.fetchall()}
 
 
 def renew(
