@@ -129,7 +129,7 @@ def _parse(
     named = [("SELF", self_addr), ("BIND", bind)] + [("PEERS", p) for p in peers_raw]
     for key, address in named:
         try:
-            _, port = split_address(address)
+            _, port = split_address(str(address) if address is not None else "")
         except ValueError as exc:
             out.append(("durable.E023", f"DURABLE['RAFT'][{key!r}]: {exc}"))
             continue

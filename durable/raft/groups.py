@@ -56,7 +56,7 @@ def _consumer_class() -> type:
             super().__init__()
             self.state = ShardState()
 
-        @replicated  # type: ignore[misc]
+        @replicated  # type: ignore[untyped-decorator]
         def apply(self, batch: Any) -> None:
             try:
                 applied = self.state.apply(batch)
@@ -92,6 +92,10 @@ class Group:
     changes: int = 0
 
 
+class RaftBindError(OSError):
+    """A group could not bind its port; the message names the address."""
+
+
 class GroupSet:
     """This node's Raft groups and their sidecar thread; the worker's interface to Raft."""
 
@@ -115,7 +119,7 @@ class GroupSet:
     def start(self) -> None:
         """Build every group (binding its port) and start the sidecar thread."""
         import pysyncobj.syncobj as syncobj_module
-        from pysyncobj import SyncObj, SyncObjConf
+        from pysyncobj import SyncObj, SyncObjConf, SyncObjException
 
         from durable.raft.transport import transport_class
 
@@ -146,15 +150,28 @@ class GroupSet:
                 # The journal lives in memory: what it loses, the rows still have.
                 journalFile=None,
                 fullDumpFile=None,
+                # pysyncobj without autoTick retries a failed bind in a busy loop for
+                # ever (maxBindRetries 0): give up after ~5 s with a clear error.
+                bindRetryTime=0.2,
+                maxBindRetries=25,
             )
             consumer = consumer_class(shard, self.now_ms)
-            syncobj = SyncObj(
-                c.group_address(c.self_addr, shard),
-                [c.group_address(p, shard) for p in c.peers],
-                conf,
-                consumers=[consumer],
-                transportClass=transport_class(c.bind_host, shard),
-            )
+            try:
+                syncobj = SyncObj(
+                    c.group_address(c.self_addr, shard),
+                    [c.group_address(p, shard) for p in c.peers],
+                    conf,
+                    consumers=[consumer],
+                    transportClass=transport_class(c.bind_host, shard),
+                )
+            except SyncObjException as exc:
+                self.stop()
+                address = c.group_address(c.bind, shard)
+                raise RaftBindError(
+                    f"Raft: cannot listen on {address} (shard {shard}'s group): is the port "
+                    "in use, or the host not one of this machine's addresses? "
+                    "(DURABLE['RAFT']['BIND'] / --raft-bind)"
+                ) from exc
             self.groups[shard] = Group(shard, syncobj, consumer)
         self._thread = threading.Thread(target=self._run, name="durable-raft", daemon=True)
         self._thread.start()
