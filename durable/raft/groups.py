@@ -132,6 +132,8 @@ class GroupSet:
         consumer_class = _consumer_class()
         c = self.config
         for shard in self.shards:
+            _check_bindable(c.group_address(c.bind, shard), shard)
+        for shard in self.shards:
             low, high = election_window(c, shard)
             conf = SyncObjConf(
                 password=c.password,
@@ -173,6 +175,12 @@ class GroupSet:
                     "(DURABLE['RAFT']['BIND'] / --raft-bind)"
                 ) from exc
             self.groups[shard] = Group(shard, syncobj, consumer)
+        # The first election timeout counts as "a leader was known": a node just started
+        # waits that long for its groups to elect before the lease rules take shards
+        # (else every start took shards by the lease rules, then handed them over).
+        started = time.monotonic()
+        for group in self.groups.values():
+            group.leader_seen = started
         self._thread = threading.Thread(target=self._run, name="durable-raft", daemon=True)
         self._thread.start()
         event(
@@ -346,6 +354,25 @@ class GroupSet:
                 "standby": len(group.consumer.standby),
             }
         return out
+
+
+def _check_bindable(address: str, shard: int) -> None:
+    """Raise :class:`RaftBindError` now if ``address`` cannot be listened on (before
+    pysyncobj tries, which retries in a loop and leaks a socket per attempt)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as pysyncobj does
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise RaftBindError(
+            f"Raft: cannot listen on {address} (shard {shard}'s group): {exc.strerror or exc}; "
+            "is the port in use, or the host not one of this machine's addresses? "
+            "(DURABLE['RAFT']['BIND'] / --raft-bind)"
+        ) from None
 
 
 def election_window(config: RaftConfig, shard: int) -> tuple[float, float]:

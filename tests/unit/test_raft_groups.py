@@ -4,7 +4,6 @@ with another password refused and logged, a port in use named in the error."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import socket
@@ -110,8 +109,6 @@ def test_wrong_password_is_refused_and_logged(caplog):
             g.stop()
 
 
-# pysyncobj leaves the socket of each failed bind to the garbage collector.
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_a_port_in_use_is_named():
     addrs = addresses()
     host, port = addrs[0].rsplit(":", 1)
@@ -125,4 +122,3 @@ def test_a_port_in_use_is_named():
             GroupSet(config, range(SHARDS), now_ms).start()
     finally:
         blocker.close()
-        gc.collect()
