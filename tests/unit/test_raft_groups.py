@@ -89,6 +89,22 @@ def test_leaders_replication_and_standby():
             g.stop()
 
 
+def test_a_lone_survivor_has_no_quorum_and_so_falls_back_to_the_leases():
+    addrs = addresses()
+    sets = start(addrs, ["pw"] * 3)
+    try:
+        wait(lambda: all(g.leader_of(s) for g in sets for s in range(SHARDS)))
+        assert all(sets[0].has_quorum(s) for s in range(SHARDS))
+        for g in sets[1:]:
+            g.stop()
+        # pysyncobj alone keeps naming the dead leader (it stands for election only when
+        # connected to someone): the group set must not.
+        wait(lambda: not any(sets[0].has_quorum(s) for s in range(SHARDS)), timeout_s=10)
+        assert not any(sets[0].led_by_other(s) for s in range(SHARDS))
+    finally:
+        sets[0].stop()
+
+
 def test_wrong_password_is_refused_and_logged(caplog):
     addrs = addresses()
     before = transport.refused_total
