@@ -92,7 +92,7 @@ def cluster(transactional_db, durable_settings, tmp_path: Path) -> Iterator[Raft
         database_url=database_url(connection.settings_dict), log_dir=log_dir, defaults=True
     )
     # Base ports apart from other test runs on this machine (shard s: base + s).
-    base = random.randrange(21_000, 40_000, 400)
+    base = random.randrange(20_000, 32_000, 400)  # below the ephemeral ports (32768+)
     try:
         yield RaftCluster(pool, base)
     finally:
