@@ -30,9 +30,13 @@ from durable.worker.logs import event
 
 log = logging.getLogger("durable.raft")
 
-MAX_COMMAND_ENTRIES = 5_000
+MAX_COMMAND_ENTRIES = 1_000
 """Largest number of timer entries in one Raft command (a rebuild of a million timers
 is replicated as many commands, so no one message blocks the group's heartbeats)."""
+
+DRAIN_PER_TICK = 2_000
+"""Most timer entries the sidecar appends per tick (40,000/s at the default 50 ms tick),
+so replicating a big rebuild never crowds out the fire path for the interpreter."""
 
 BALANCE_STEP = 8
 """Most leaderships one balancing round hands over."""
@@ -211,22 +215,26 @@ class GroupSet:
             self.stop_event.wait(max(0.0, tick - (time.monotonic() - started)))
 
     def _turn(self, now: float) -> None:
+        budget = [DRAIN_PER_TICK]
         for group in self.groups.values():
             group.syncobj.doTick(0.0)
-            self._drain(group)
+            self._drain(group, budget)
             self._observe(group, now)
         if self.config.balance_s and now >= self._next_balance:
             self._next_balance = now + self.config.balance_s
             self._balance(now)
 
-    def _drain(self, group: Group) -> None:
-        while True:
+    def _drain(self, group: Group, budget: list[int]) -> None:
+        # At most DRAIN_PER_TICK entries per tick over all groups: replicating a rebuild
+        # of tens of thousands of timers at once held the GIL the fire path needs.
+        while budget[0] > 0:
             try:
                 batch = group.outbox.get_nowait()
             except queue.Empty:
                 return
             if group.syncobj._isLeader():  # a node that lost leadership drops its news
                 group.consumer.apply(batch)
+                budget[0] -= 1 + len(batch["add"]) + len(batch["remove"])
 
     def _observe(self, group: Group, now: float) -> None:
         node = group.syncobj._getLeader()
