@@ -16,7 +16,9 @@ due rows) and per fired timer, the share of calls the server planned (prepared
 statements are planned once, or kept on custom plans), and the mean planning (per plan)
 and execution time (per call) the server measured. "unprepared" runs the worker with the
 settings of a pooled database (``DURABLE_LISTEN_DATABASE_URL`` set, so no
-``prepare_threshold`` and the worker not preparing), as behind PgBouncer 1.18.
+``prepare_threshold`` and the worker not preparing), as behind PgBouncer 1.18;
+"pgbouncer" the same through a PgBouncer in transaction mode in front of the cluster.
+The worker process's CPU per fired timer is read with psutil.
 
 Round trips per fired timer are the calls of all statements (each statement, ``BEGIN``
 and ``COMMIT`` included, is one round trip from the worker). Times are per call, in ms.
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import REPO, Lateness, connect, wait_until
 
 DB = "durable_firepath_bench"
-MODES = ("prepared", "unprepared")
+MODES = ("prepared", "unprepared", "pgbouncer")
 
 
 def start_cluster() -> tuple[object, str]:
@@ -62,8 +64,21 @@ def start_cluster() -> tuple[object, str]:
     return cluster, url
 
 
-def profile(url: str, mode: str, seconds: float, rate: int) -> tuple[list[str], Lateness]:
-    """One mode: preload, reset the statistics, let the worker fire everything, read them."""
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def profile(
+    url: str, mode: str, seconds: float, rate: int, pooled: str | None = None
+) -> tuple[list[str], Lateness]:
+    """One mode: preload, reset the statistics, let the worker fire everything, read them.
+
+    ``pooled``: the worker's URL through PgBouncer (mode "pgbouncer"; it listens on ``url``).
+    """
     from bench._worker_proc import WorkerProcess
     from bench.peers.durable_side import EFFECT_DDL
 
@@ -72,8 +87,8 @@ def profile(url: str, mode: str, seconds: float, rate: int) -> tuple[list[str], 
         conn.execute("TRUNCATE durable_timer, durable_workernode, bench_effect CASCADE")
         conn.execute("UPDATE durable_shardlease SET owner = '', expires_at = NULL, cursor_ms = 0")
         conn.execute("VACUUM ANALYZE durable_timer")
-    extra = {"DURABLE_LISTEN_DATABASE_URL": url} if mode == "unprepared" else {}
-    worker = WorkerProcess(url, f"firepath-{mode}", **extra)
+    extra = {"DURABLE_LISTEN_DATABASE_URL": url} if mode != "prepared" else {}
+    worker = WorkerProcess(pooled or url, f"firepath-{mode}", **extra)
     try:
         worker.wait_owning(64)
         time.sleep(2.0)
@@ -89,11 +104,13 @@ def profile(url: str, mode: str, seconds: float, rate: int) -> tuple[list[str], 
         total = int(out.stdout.split()[0])
         with connect(url) as conn:
             conn.execute("SELECT pg_stat_statements_reset()")
+            cpu_before = cpu_s(worker.pid)
             wait_until(
                 lambda: conn.execute("SELECT count(*) FROM bench_effect").fetchone()[0] >= total,
                 timeout_s=90 + seconds,
                 every_s=0.5,
             )
+            worker_cpu_ms = (cpu_s(worker.pid) - cpu_before) * 1000
             lateness = Lateness.of(
                 [float(r[0]) for r in conn.execute("SELECT fired_ms - due_ms FROM bench_effect")]
             )
@@ -118,14 +135,15 @@ def profile(url: str, mode: str, seconds: float, rate: int) -> tuple[list[str], 
         f"statements (round trips) per fired timer, of which the handler's {handler / total:.2f}; "
         f"{(calls - handler) / batches:.1f} of durable's per batch (rescans and renewals "
         f"included); server time per fired timer: planning {plan / total:.3f} ms, execution "
-        f"{execute / total:.3f} ms",
+        f"{execute / total:.3f} ms; the worker process's CPU {worker_cpu_ms / total:.3f} ms "
+        "per fired timer (from the statistics' reset to the last fire)",
         "",
         "| calls | per batch | per timer | planned (share of calls) | plan ms | exec ms "
         "| statement |",
         "|---|---|---|---|---|---|---|",
     ]
     for n, plan_ms, exec_ms, plans, query in rows:
-        if n / total < 0.005:
+        if n / total < 0.005 and n / batches < 0.5:
             continue
         text = " ".join(query.split())
         text = text if len(text) <= 110 else text[:107] + "..."
@@ -144,14 +162,20 @@ def main() -> None:
     parser.add_argument("--only", choices=MODES)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    from durable.testing.cluster import TemporaryPgBouncer
+
     cluster, url = start_cluster()
+    bouncer = TemporaryPgBouncer(server_port=cluster.port, pool_size=20)  # type: ignore[attr-defined]
+    bouncer.start()
     lines: list[str] = []
     try:
         for mode in [args.only] if args.only else MODES:
-            part, _ = profile(url, mode, args.seconds, args.rate)
+            pooled = bouncer.url(DB) if mode == "pgbouncer" else None
+            part, _ = profile(url, mode, args.seconds, args.rate, pooled)
             lines += [*part, ""]
             print("\n".join(part), flush=True)
     finally:
+        bouncer.destroy()
         cluster.destroy()  # type: ignore[attr-defined]
     lines.append(f"load average at the end: {Path('/proc/loadavg').read_text().strip()}")
     print(lines[-1])

@@ -91,7 +91,9 @@ def guard_session(connection: Any, conf: DurableSettings) -> None:
     session is a server connection shared with other clients, which a session-level
     setting would leak to, while the loop's next transaction may run on a server
     connection that never got it. Per transaction, the guard holds on any connection and
-    ends with the transaction. It costs one round trip per transaction of the loop.
+    ends with the transaction. It costs one round trip per transaction of the loop, none
+    where the transaction's first statement carries it (the firing batch's, see
+    :class:`IdleGuard`).
     """
     if connection.vendor != "postgresql":
         return
