@@ -121,7 +121,8 @@ def counting(db: str) -> AbstractContextManager[Any]:
     conn = connections[db]
     if conn.vendor == "postgresql" and conn.get_autocommit() and not conn.in_atomic_block:
         return nullcontext()
-    return transaction.atomic(using=db)
+    atomic: AbstractContextManager[Any] = transaction.atomic(using=db)
+    return atomic
 
 
 def uncount(db: str, ids: Sequence[int]) -> None:
