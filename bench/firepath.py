@@ -155,12 +155,51 @@ def profile(
     return lines, lateness
 
 
+def hop(direct: str, pooled: str, trips: int = 2_000, reps: int = 5) -> list[str]:
+    """Round trip of a one-row INSERT in a transaction (what the bench handler does once a
+    fire) and of a SELECT, direct and through the pooler: the median of ``reps``
+    alternating runs of ``trips`` each, in microseconds."""
+    import statistics
+
+    from bench.peers.durable_side import EFFECT_DDL
+
+    urls = {"direct": direct, "PgBouncer, transaction mode": pooled}
+    runs: dict[tuple[str, str], list[float]] = {}
+    conns = {name: connect(url, autocommit=False) for name, url in urls.items()}
+    try:
+        conns["direct"].execute(EFFECT_DDL)
+        conns["direct"].commit()
+        for _ in range(reps):
+            for name, conn in conns.items():
+                for sql in ("INSERT INTO bench_effect VALUES (%s, 0, 0)", "SELECT %s::bigint"):
+                    started = time.perf_counter()
+                    for i in range(trips):
+                        conn.execute(sql, [i])
+                    took = (time.perf_counter() - started) / trips * 1e6
+                    runs.setdefault((name, sql[:6]), []).append(took)
+                    conn.rollback()
+    finally:
+        for conn in conns.values():
+            conn.close()
+    lines = [
+        f"| connection | round trip (us), INSERT in a transaction | SELECT (median of {reps}) |",
+        "|---|---|---|",
+    ]
+    for name in urls:
+        insert, select = (statistics.median(runs[(name, k)]) for k in ("INSERT", "SELECT"))
+        lines.append(f"| {name} | {insert:.0f} | {select:.0f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=int, default=2_000)
     parser.add_argument("--only", choices=MODES)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--hop", action="store_true", help="only the round trip, direct and through PgBouncer"
+    )
     args = parser.parse_args()
     from durable.testing.cluster import TemporaryPgBouncer
 
@@ -169,7 +208,9 @@ def main() -> None:
     bouncer.start()
     lines: list[str] = []
     try:
-        for mode in [args.only] if args.only else MODES:
+        lines += [*hop(url, bouncer.url(DB)), ""]
+        print("\n".join(lines), flush=True)
+        for mode in [] if args.hop else [args.only] if args.only else MODES:
             pooled = bouncer.url(DB) if mode == "pgbouncer" else None
             part, _ = profile(url, mode, args.seconds, args.rate, pooled)
             lines += [*part, ""]
