@@ -201,6 +201,8 @@ def fence_shards(db: str, tokens: Mapping[int, int]) -> dict[int, int | None]:
     shards = sorted(tokens)
     lock = " FOR SHARE" if conn.features.has_select_for_update else ""
     where, params = statements.in_clause(conn.vendor, shards, "shard", "integer")
+    if conn.vendor == "postgresql":  # often a transaction's first statement
+        where += f" AND {statements.IDLE_GUARD} IS NOT NULL"
     with statements.cursor(db) as cursor:
         cursor.execute(
             f"SELECT shard, token FROM durable_shardlease WHERE {where} ORDER BY shard{lock}",
