@@ -1,0 +1,201 @@
+"""Check unfinished runs against the code installed now, before a deploy: a dry replay.
+
+Each unfinished run (pending, running, sleeping, waiting) is replayed from the top
+exactly as the worker would resume it, with the same determinism checks
+(:class:`~durable.workflows.replay.ReplayCursor`), against a backend that performs
+nothing (:class:`~durable.workflows.history.ReplayOnlyBackend` with ``dry=True``):
+recorded calls return their recorded results, no step function runs, no row is
+written, and the replay stops where the history ends (the work after it is new, not a
+divergence). What would make the run fail once the new code resumes it is reported as a
+:class:`Divergence`: a call that differs from the record at some seq, a recorded call
+the code no longer makes, a workflow no longer registered (renamed or removed), a bound
+row or model that is gone, or the code raising.
+
+Only the workflow code between ctx calls runs; it must be deterministic anyway (see
+``docs/discussions/determinism.md``), and anything it does outside ctx calls would also
+happen on every real replay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from durable.conf import get_settings
+from durable.core.clock import current_clock
+from durable.core.errors import sanitize_error
+from durable.exceptions import NonDeterminismError, UnknownWorkflow
+from durable.storage import histories
+from durable.storage.checkpoints import RunSnapshot
+from durable.workflows.context import WorkflowContext
+from durable.workflows.execute import FAILED, execute
+from durable.workflows.history import ReplayOnlyBackend
+from durable.workflows.records import Record
+from durable.workflows.registry import workflows
+
+#: Why a run would fail once resumed by the code installed now.
+NONDETERMINISM = "nondeterminism"
+UNKNOWN_WORKFLOW = "unknown_workflow"
+BOUND_ROW = "bound_row"
+ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Divergence:
+    """A run the installed code would fail, and why (``reason``: see the constants)."""
+
+    run_id: str
+    workflow: str
+    state: str
+    """The run's state now (``sleeping``, ``waiting``...)."""
+    reason: str
+    seq: int | None = None
+    recorded: str = ""
+    """The call the history holds at ``seq`` (``step 'charge'``)."""
+    found: str = ""
+    """What the code does there now (another call, ``return``...)."""
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """This divergence as a JSON-ready dict (``durable_check_runs --json``)."""
+        return {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "state": self.state,
+            "reason": self.reason,
+            "seq": self.seq,
+            "recorded": self.recorded,
+            "found": self.found,
+            "message": self.message,
+        }
+
+    def __str__(self) -> str:
+        where = f"seq {self.seq}: " if self.seq is not None else ""
+        what = (
+            f"recorded {self.recorded}, code now {self.found}"
+            if self.recorded or self.found
+            else self.message
+        )
+        return f"run {self.run_id} ({self.workflow}, {self.state}) {self.reason}: {where}{what}"
+
+
+@dataclass(slots=True, kw_only=True)
+class CheckReport:
+    """What :func:`check_runs` found: how many runs it replayed, which would fail."""
+
+    checked: int = 0
+    divergences: list[Divergence] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no run would diverge."""
+        return not self.divergences
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict."""
+        return {
+            "ok": self.ok,
+            "checked": self.checked,
+            "diverging": len(self.divergences),
+            "seconds": round(self.seconds, 3),
+            "runs": [d.to_json() for d in self.divergences],
+        }
+
+
+def check_run(snapshot: RunSnapshot, state: str, instance: Any, now_ms: int) -> Divergence | None:
+    """Replay one run dry (see the module docstring); its divergence, or None if the
+    code installed now resumes it. ``instance``: the bound row (None for a function)."""
+    base = {"run_id": snapshot.id, "workflow": snapshot.name, "state": state}
+    try:
+        definition = workflows.resolve(snapshot.name)
+    except UnknownWorkflow as exc:
+        return Divergence(
+            **base, reason=UNKNOWN_WORKFLOW, found="(not registered)", message=str(exc)
+        )
+    history = [Record(**step) for step in snapshot.steps]
+    ctx = WorkflowContext(
+        run_id=snapshot.id,
+        history=history,
+        backend=ReplayOnlyBackend(history, now_ms, dry=True),
+        policy=definition.policy(),
+        strict=definition.strict,
+    )
+    args, kwargs = snapshot.args, snapshot.kwargs
+    try:
+        outcome = execute(ctx, lambda c: definition.invoke(c, instance, args, kwargs))
+    except Exception as exc:  # nothing live can fail here; count it as the run's failure
+        return Divergence(**base, reason=ERROR, message=sanitize_error(exc))
+    if outcome.state != FAILED:
+        return None
+    error = outcome.error
+    if isinstance(error, NonDeterminismError):
+        return Divergence(
+            **base,
+            reason=NONDETERMINISM,
+            seq=error.attrs.get("seq"),
+            recorded=str(error.attrs.get("recorded", "")),
+            found=str(error.attrs.get("found", "")),
+            message=str(error),
+        )
+    return Divergence(**base, reason=ERROR, message=sanitize_error(error or "failed"))
+
+
+def check_runs(
+    *, names: Sequence[str] = (), page: int = 1000, now_ms: int | None = None
+) -> CheckReport:
+    """Replay every unfinished run dry (only workflows ``names`` if given), ``page`` at a
+    time; return the :class:`CheckReport`. Reads the database, writes nothing."""
+    db = get_settings().DATABASE
+    now = current_clock().now_ms() if now_ms is None else now_ms
+    report = CheckReport()
+    started = time.perf_counter()
+    for batch in _pages(db, names, page):
+        bound = _bound_rows(db, [snapshot for _, snapshot in batch])
+        for state, snapshot in batch:
+            report.checked += 1
+            instance = None
+            if snapshot.model_label:
+                rows = bound.get(snapshot.model_label)
+                instance = None if rows is None else rows.get(snapshot.object_pk)
+                if instance is None:
+                    report.divergences.append(_row_gone(snapshot, state, rows is None))
+                    continue
+            divergence = check_run(snapshot, state, instance, now)
+            if divergence is not None:
+                report.divergences.append(divergence)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _pages(db: str, names: Sequence[str], page: int) -> Iterator[list[tuple[str, RunSnapshot]]]:
+    after = ""
+    while True:
+        batch = histories.unfinished_page(db, after, page, names)
+        if not batch:
+            return
+        yield batch
+        after = batch[-1][1].id
+
+
+def _bound_rows(db: str, snapshots: list[RunSnapshot]) -> dict[str, dict[str, Any] | None]:
+    """The bound rows of the page's runs, one query per model: label -> pk -> row."""
+    wanted: dict[str, list[str]] = {}
+    for snapshot in snapshots:
+        if snapshot.model_label:
+            wanted.setdefault(snapshot.model_label, []).append(snapshot.object_pk)
+    return {label: histories.bound_rows(db, label, pks) for label, pks in wanted.items()}
+
+
+def _row_gone(snapshot: RunSnapshot, state: str, model_gone: bool) -> Divergence:
+    what = (
+        f"the model {snapshot.model_label!r} this run is bound to no longer exists"
+        if model_gone
+        else f"the {snapshot.model_label} row pk={snapshot.object_pk} this run is bound to "
+        "no longer exists"
+    )
+    return Divergence(
+        run_id=snapshot.id, workflow=snapshot.name, state=state, reason=BOUND_ROW, message=what
+    )
