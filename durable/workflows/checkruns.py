@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from django.db import connections
 
 from durable.conf import get_settings
 from durable.core.clock import current_clock
@@ -32,8 +35,8 @@ from durable.storage.checkpoints import RunSnapshot
 from durable.workflows.context import WorkflowContext
 from durable.workflows.execute import FAILED, execute
 from durable.workflows.history import ReplayOnlyBackend
-from durable.workflows.records import Record
-from durable.workflows.registry import workflows
+from durable.workflows.records import Record, StepPolicy
+from durable.workflows.registry import WorkflowDef, workflows
 
 #: Why a run would fail once resumed by the code installed now.
 NONDETERMINISM = "nondeterminism"
@@ -105,22 +108,35 @@ class CheckReport:
         }
 
 
-def check_run(snapshot: RunSnapshot, state: str, instance: Any, now_ms: int) -> Divergence | None:
+def check_run(
+    snapshot: RunSnapshot,
+    state: str,
+    instance: Any,
+    now_ms: int,
+    resolved: dict[str, tuple[WorkflowDef, StepPolicy]] | None = None,
+) -> Divergence | None:
     """Replay one run dry (see the module docstring); its divergence, or None if the
-    code installed now resumes it. ``instance``: the bound row (None for a function)."""
+    code installed now resumes it. ``instance``: the bound row (None for a function);
+    ``resolved``: a cache of definitions and their policies, by name, for many runs."""
     base = {"run_id": snapshot.id, "workflow": snapshot.name, "state": state}
-    try:
-        definition = workflows.resolve(snapshot.name)
-    except UnknownWorkflow as exc:
-        return Divergence(
-            **base, reason=UNKNOWN_WORKFLOW, found="(not registered)", message=str(exc)
-        )
+    found = None if resolved is None else resolved.get(snapshot.name)
+    if found is None:
+        try:
+            definition = workflows.resolve(snapshot.name)
+        except UnknownWorkflow as exc:
+            return Divergence(
+                **base, reason=UNKNOWN_WORKFLOW, found="(not registered)", message=str(exc)
+            )
+        found = (definition, definition.policy())
+        if resolved is not None:
+            resolved[snapshot.name] = found
+    definition, policy = found
     history = [Record(**step) for step in snapshot.steps]
     ctx = WorkflowContext(
         run_id=snapshot.id,
         history=history,
         backend=ReplayOnlyBackend(history, now_ms, dry=True),
-        policy=definition.policy(),
+        policy=policy,
         strict=definition.strict,
     )
     args, kwargs = snapshot.args, snapshot.kwargs
@@ -151,6 +167,7 @@ def check_runs(
     db = get_settings().DATABASE
     now = current_clock().now_ms() if now_ms is None else now_ms
     report = CheckReport()
+    resolved: dict[str, tuple[WorkflowDef, StepPolicy]] = {}
     started = time.perf_counter()
     for batch in _pages(db, names, page):
         bound = _bound_rows(db, [snapshot for _, snapshot in batch])
@@ -163,7 +180,7 @@ def check_runs(
                 if instance is None:
                     report.divergences.append(_row_gone(snapshot, state, rows is None))
                     continue
-            divergence = check_run(snapshot, state, instance, now)
+            divergence = check_run(snapshot, state, instance, now, resolved)
             if divergence is not None:
                 report.divergences.append(divergence)
     report.seconds = time.perf_counter() - started
@@ -171,13 +188,30 @@ def check_runs(
 
 
 def _pages(db: str, names: Sequence[str], page: int) -> Iterator[list[tuple[str, RunSnapshot]]]:
-    after = ""
-    while True:
-        batch = histories.unfinished_page(db, after, page, names)
-        if not batch:
-            return
-        yield batch
-        after = batch[-1][1].id
+    """The unfinished runs, a page at a time. Outside a transaction, the next page is
+    read on a thread of its own while the caller replays this one: reading (the
+    database's work) and replaying (this process's) overlap. Inside one (a test's), a
+    thread's connection would not see the caller's rows: pages are read in turn."""
+    if connections[db].in_atomic_block:
+        after = ""
+        while batch := histories.unfinished_page(db, after, page, names):
+            yield batch
+            after = batch[-1][1].id
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="durable-check") as reader:
+        upcoming = reader.submit(_read_page, db, "", page, names)
+        while batch := upcoming.result():
+            upcoming = reader.submit(_read_page, db, batch[-1][1].id, page, names)
+            yield batch
+
+
+def _read_page(
+    db: str, after: str, page: int, names: Sequence[str]
+) -> list[tuple[str, RunSnapshot]]:
+    try:
+        return histories.unfinished_page(db, after, page, names)
+    finally:
+        connections.close_all()  # the reader thread's own connection
 
 
 def _bound_rows(db: str, snapshots: list[RunSnapshot]) -> dict[str, dict[str, Any] | None]:
