@@ -56,8 +56,9 @@ def fill(runs: int) -> None:
         batch = [uuid.uuid4().hex for _ in range(first, min(runs, first + 2000))]
         WorkflowRun.objects.bulk_create(
             WorkflowRun(
-                id=run_id, name=history["workflow"], state="waiting", shard=shard_for(run_id, shards),
-                args=[f"user{n}@example.com"], kwargs={}, wait_signal="first-order", wait_seq=6,
+                id=run_id, name=history["workflow"], state="waiting",
+                shard=shard_for(run_id, shards), args=[f"user{n}@example.com"], kwargs={},
+                wait_signal="first-order", wait_seq=6,
             )
             for n, run_id in enumerate(batch, first)
         )  # fmt: skip
@@ -96,9 +97,8 @@ def main() -> None:
     wall = time.perf_counter() - started
     assert done.returncode == 0, done.stdout + done.stderr
     load = Path("/proc/loadavg").read_text().split()[:3]
-    print(
-        f"check_runs(): {in_process.checked} runs in {in_process.seconds:.2f} s = {rate:,.0f} runs/s"
-    )
+    took = f"{in_process.seconds:.2f} s"
+    print(f"check_runs(): {in_process.checked} runs in {took} = {rate:,.0f} runs/s")
     print(f"manage.py durable_check_runs: {wall:.2f} s wall (Django start-up included)")
     print(f"  its own line: {done.stdout.strip().splitlines()[-1]}")
     print(f"load average: {' '.join(load)}")
