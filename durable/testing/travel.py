@@ -44,6 +44,7 @@ log = logging.getLogger("durable.testing")
 
 #: Turns at one instant before the machine gives up on timers that stay due there.
 MAX_TURNS_PER_INSTANT = 100
+NEVER = 2**62
 _FINISHED = ("completed", "failed", "canceled")
 
 
@@ -210,6 +211,10 @@ class TimeMachine:
                 runner = self.engine.runners.get(timer["shard"])
                 if runner is not None:
                     runner.add(timer["id"], timer["fire_at_ms"])
+            # Every due row was just fed to its wheel, so the engine's periodic rescans
+            # (a query per shard at each instant the clock jumps to) would find nothing.
+            for runner in self.engine.runners.values():
+                runner.next_rescan_ms = NEVER
             self.engine.tick()
             self._record_fires(trip, due, watched)
         stuck = ", ".join(f"{t['id']} ({t['kind']} {t['target']})" for t in due[:10])
@@ -296,6 +301,9 @@ def time_machine(
     )
     with override_clock(clock):
         engine = Engine(node=node, clock=clock, conf=conf, pool=InlinePool())
+        # The gauges are Prometheus's (nothing scrapes a test); sampling them, due at each
+        # instant the clock jumps to, cost a third of a 30-day trip.
+        engine.chores.sample = lambda now: None  # type: ignore[method-assign]
         engine.start()
         engine.tick()  # takes every shard
         try:

@@ -6,7 +6,6 @@ and NOTIFY never fire) and ``transactional_db``, on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -76,18 +75,18 @@ def keys(prefix: str = "") -> list[str]:
 
 
 @pytest.mark.django_db
-def test_a_30_day_workflow_of_20_steps_and_5_sleeps_runs_in_under_a_second(durable_time_machine):
+def test_a_30_day_workflow_of_20_steps_and_5_sleeps_runs_through_its_sleeps(durable_time_machine):
+    # How long this takes is measured by bench/time_machine.py (docs/benchmarks.md), not
+    # here: timed assertions fail on a loaded machine.
     machine = durable_time_machine
     run = onboarding.start("ann")
-    started = time.perf_counter()
     trip = machine.advance(days=30)
-    elapsed = time.perf_counter() - started
     assert trip.completed == [run.pk]
     assert WorkflowRun.objects.get(pk=run.pk).result == 20
     assert len(keys("ann:")) == 20  # each step ran exactly once
     wakes = [fire for fire in trip if fire.target == run.pk]
     assert [f.at - trip.start for f in wakes] == [timedelta(0)] + [6 * DAY * k for k in range(1, 6)]
-    assert elapsed < 1.0, f"30 days took {elapsed:.3f} s"
+    assert all(f.state == "fired" for f in wakes) and trip.failed == []
 
 
 @pytest.mark.django_db(transaction=True)
