@@ -44,7 +44,7 @@ log = logging.getLogger("durable.testing")
 
 #: Turns at one instant before the machine gives up on timers that stay due there.
 MAX_TURNS_PER_INSTANT = 100
-NEVER = 2**62
+_NEVER = 2**62  # a rescan time no trip reaches
 _FINISHED = ("completed", "failed", "canceled")
 
 
@@ -214,7 +214,7 @@ class TimeMachine:
             # Every due row was just fed to its wheel, so the engine's periodic rescans
             # (a query per shard at each instant the clock jumps to) would find nothing.
             for runner in self.engine.runners.values():
-                runner.next_rescan_ms = NEVER
+                runner.next_rescan_ms = _NEVER
             self.engine.tick()
             self._record_fires(trip, due, watched)
         stuck = ", ".join(f"{t['id']} ({t['kind']} {t['target']})" for t in due[:10])

@@ -125,7 +125,11 @@ def check_run(
             definition = workflows.resolve(snapshot.name)
         except UnknownWorkflow as exc:
             return Divergence(
-                **base, reason=UNKNOWN_WORKFLOW, found="(not registered)", message=str(exc)
+                **base,
+                reason=UNKNOWN_WORKFLOW,
+                recorded=f"workflow {snapshot.name!r}",
+                found="(not registered)",
+                message=str(exc),
             )
         found = (definition, definition.policy())
         if resolved is not None:
