@@ -87,6 +87,7 @@ def test_a_deploy_of_1000_runs_names_exactly_the_runs_that_would_fail():
         assert (one["recorded"], one["found"]) == ("step step", "step c")
         assert one["workflow"] == "deploy.reordered" and one["state"] == "sleeping"
         assert {named[r]["reason"] for r in renamed} == {"unknown_workflow"}
+        assert named[renamed[0]]["recorded"] == f"workflow {v.OLD_NAME!r}"
 
         for run_id in waiters:
             durable.send_signal(run_id, "go", "z")
