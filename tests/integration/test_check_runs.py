@@ -117,7 +117,9 @@ def test_text_output_names_the_run_seq_and_calls():
     assert "checked 1 unfinished run(s)" in text
 
 
+@pytest.mark.django_db(transaction=True)
 def test_filters_by_workflow_and_refuses_a_bad_page_size():
+    # Outside a transaction the next page is read on a thread while this one replays.
     with time_machine(START) as machine:
         start("deploy.sleeper", range(3))
         start(v.OLD_NAME, range(2))
