@@ -128,12 +128,12 @@ class Trip:
 
     @property
     def completed(self) -> list[str]:
-        """Ids of the workflow runs that completed during the trip, in order."""
+        """Ids of the workflow runs that completed during the trip, in the order they ended."""
         return [run.run_id for run in self.runs if run.state == "completed"]
 
     @property
     def failed(self) -> list[str]:
-        """Ids of the workflow runs that failed during the trip, in order."""
+        """Ids of the workflow runs that failed during the trip, in the order they ended."""
         return [run.run_id for run in self.runs if run.state == "failed"]
 
     def __str__(self) -> str:
@@ -250,17 +250,17 @@ class TimeMachine:
                 watched.add(timer["target"])
 
     def _record_ends(self, trip: Trip, watched: set[str]) -> None:
-        """Add the runs woken during the trip that are now finished, in the order woken."""
+        """Add the runs woken during the trip that are now finished, in the order they
+        ended (that of their last wake-up)."""
         states = rows.run_states(self.db, watched)
-        seen: set[str] = set()
-        for fire in trip.fires:
-            row = states.get(fire.target) if fire.kind == "workflow" else None
-            if row is None or fire.target in seen or row["state"] not in _FINISHED:
+        last = {fire.target: n for n, fire in enumerate(trip.fires) if fire.kind == "workflow"}
+        for run_id in sorted(last, key=last.__getitem__):
+            row = states.get(run_id)
+            if row is None or row["state"] not in _FINISHED:
                 continue
-            seen.add(fire.target)
             trip.runs.append(
                 RunEnd(
-                    run_id=fire.target,
+                    run_id=run_id,
                     name=row["name"],
                     state=row["state"],
                     result=row["result"],

@@ -69,6 +69,24 @@ def flaky() -> None:
     raise RuntimeError("boom")
 
 
+@durable.handler(atomic=False)
+def outside(n: int) -> None:
+    note(f"outside:{n}")
+
+
+@durable.workflow
+def child_nap(ctx, n):
+    ctx.sleep(2 * DAY)
+    return ctx.step(note, f"child:{n}")
+
+
+@durable.workflow
+def parent(ctx):
+    results = [ctx.child(child_nap, n) for n in range(2)]
+    ctx.sleep(DAY)
+    return results
+
+
 def keys(prefix: str = "") -> list[str]:
     rows = FireRecord.objects.filter(key__startswith=prefix)
     return sorted(rows.values_list("key", flat=True))
@@ -156,3 +174,20 @@ def test_bad_arguments_are_refused():
         with pytest.raises(ValueError, match="backwards"):
             machine.advance_to(START - DAY)
         assert machine.advance_to(START + DAY).end == START + DAY
+
+
+@pytest.mark.django_db
+def test_external_handlers_and_child_workflows_run_on_the_tests_connection():
+    with time_machine(START) as machine:
+        durable.schedule(outside, args=(7,), delay=timedelta(hours=5))
+        run = parent.start()
+        trip = machine.advance(days=10)
+        assert keys("outside:") == ["outside:7"]
+        assert WorkflowRun.objects.get(pk=run.pk).result == ["child:0", "child:1"]
+        children = [r for r in trip.runs if r.name.endswith("child_nap")]
+        assert len(children) == 2 and trip.completed[-1] == run.pk
+        (fire,) = [f for f in trip if f.kind == "handler"]
+        assert (fire.at - START, fire.state) == (timedelta(hours=5), "fired")
+        # The children slept one after the other: 2 days each, then the parent's day.
+        parent_wakes = [f.at - START for f in trip if f.target == run.pk]
+        assert parent_wakes[-1] == 5 * DAY
