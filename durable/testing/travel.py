@@ -298,6 +298,7 @@ def time_machine(
         RETENTION_DAYS=36_500.0,  # a century: not a trip (this setting cannot be None)
         FAILED_RETENTION_DAYS=None,
         RUN_RETENTION_DAYS=None,
+        DISPATCH="inline",  # run every handler here, never ship it to executor processes
     )
     with override_clock(clock):
         engine = Engine(node=node, clock=clock, conf=conf, pool=InlinePool())

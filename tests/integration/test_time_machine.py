@@ -191,3 +191,13 @@ def test_external_handlers_and_child_workflows_run_on_the_tests_connection():
         # The children slept one after the other: 2 days each, then the parent's day.
         parent_wakes = [f.at - START for f in trip if f.target == run.pk]
         assert parent_wakes[-1] == 5 * DAY
+
+
+@pytest.mark.django_db
+def test_handlers_run_in_the_test_even_when_the_project_ships_them(settings):
+    settings.DURABLE = {**getattr(settings, "DURABLE", {}), "DISPATCH": "kombu"}
+    with time_machine(START) as machine:
+        assert machine.engine.embedded is None
+        durable.schedule(outside, args=(8,), delay=DAY)
+        trip = machine.advance(days=2)
+        assert [f.state for f in trip] == ["fired"] and keys("outside:") == ["outside:8"]
