@@ -1,20 +1,18 @@
 """Read-only reads of unfinished runs with their histories, a page at a time.
 
 For ``manage.py durable_check_runs``, which replays every unfinished run against the
-code installed now: it must change nothing, so nothing here locks or writes. Pages
-follow the primary key (``id > after``), so a long check never holds a cursor open and
-runs started meanwhile are simply not seen or seen once.
+code installed now: it must change nothing, so nothing here locks or writes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.apps import apps
+from django.db import connections, transaction
 
 from durable.models import WorkflowRun, WorkflowStep
-from durable.storage import statements
 from durable.storage.checkpoints import (
     ACTIVE,
     RUN_FIELDS,
@@ -35,13 +33,29 @@ HISTORY_ARRAYS_SQL = (
 )
 
 
-def unfinished_page(
-    db: str, after: str = "", limit: int = 1000, names: Sequence[str] = ()
-) -> list[tuple[str, RunSnapshot]]:
-    """Up to ``limit`` unfinished runs with ids after ``after``, by id, as
-    ``(state, snapshot)``; only the workflows ``names`` if given."""
+def unfinished_runs(
+    db: str, names: Sequence[str] = (), page: int = 1000
+) -> Iterator[list[tuple[str, RunSnapshot]]]:
+    """Every unfinished run with its history, as lists of up to ``page``
+    ``(state, snapshot)``; only the workflows ``names`` if given.
+
+    On PostgreSQL one statement read through a server-side cursor, in a read-only
+    transaction of its own: one scan of the runs however many there are (pages of
+    ``id > last ORDER BY id`` would let the planner sort every active run again for
+    each page). Elsewhere, pages by primary key.
+    """
     if is_postgres(db):
-        return _page_sql(db, after, limit, names)
+        yield from _scan_sql(db, names, page)
+        return
+    after = ""
+    while batch := _page_orm(db, after, page, names):
+        yield batch
+        after = batch[-1][1].id
+
+
+def _page_orm(
+    db: str, after: str, limit: int, names: Sequence[str]
+) -> list[tuple[str, RunSnapshot]]:
     runs = WorkflowRun.objects.using(db).filter(state__in=ACTIVE, pk__gt=after)
     if names:
         runs = runs.filter(name__in=list(names))
@@ -53,27 +67,26 @@ def unfinished_page(
     return [(row[1], snapshot_of(row[0], row[2:], steps[row[0]])) for row in found]
 
 
-def _page_sql(
-    db: str, after: str, limit: int, names: Sequence[str]
-) -> list[tuple[str, RunSnapshot]]:
-    # One statement: each run's history comes back in its row as a JSON array.
-    where = "state = ANY(%s) AND id > %s"
-    params: list[Any] = [list(ACTIVE), after]
+def _scan_sql(db: str, names: Sequence[str], page: int) -> Iterator[list[tuple[str, RunSnapshot]]]:
+    where = "state = ANY(%s)"
+    params: list[Any] = [list(ACTIVE)]
     if names:
         where += " AND name = ANY(%s)"
         params.append(list(names))
     sql = (
-        f"SELECT id, state, {', '.join(RUN_FIELDS)}, {HISTORY_ARRAYS_SQL} FROM durable_workflowrun "
-        f"WHERE {where} ORDER BY id LIMIT %s"
+        f"SELECT id, state, {', '.join(RUN_FIELDS)}, {HISTORY_ARRAYS_SQL} "
+        f"FROM durable_workflowrun WHERE {where}"
     )
-    with statements.cursor(db) as cursor:
-        cursor.execute(sql, [*params, limit])
-        rows = cursor.fetchall()
-    pages = []
-    for row in rows:
-        steps = [dict(zip(STEP_FIELDS, step, strict=True)) for step in json_value(row[-1])]
-        pages.append((row[1], snapshot_of(row[0], row[2:-1], steps)))
-    return pages
+    # Inside a transaction the cursor needs no WITH HOLD, so rows are computed as they
+    # are fetched rather than all at once when it is declared.
+    with transaction.atomic(using=db), connections[db].chunked_cursor() as cursor:
+        cursor.execute(sql, params)
+        while rows := cursor.fetchmany(page):
+            batch = []
+            for row in rows:
+                steps = [dict(zip(STEP_FIELDS, step, strict=True)) for step in json_value(row[-1])]
+                batch.append((row[1], snapshot_of(row[0], row[2:-1], steps)))
+            yield batch
 
 
 def bound_rows(db: str, label: str, pks: Sequence[str]) -> dict[str, Any] | None:

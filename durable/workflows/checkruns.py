@@ -18,9 +18,10 @@ happen on every real replay.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,30 +193,53 @@ def check_runs(
 
 
 def _pages(db: str, names: Sequence[str], page: int) -> Iterator[list[tuple[str, RunSnapshot]]]:
-    """The unfinished runs, a page at a time. Outside a transaction, the next page is
-    read on a thread of its own while the caller replays this one: reading (the
+    """The unfinished runs, a page at a time. Outside a transaction they are read on a
+    thread of their own, a page or two ahead of the caller's replays: reading (the
     database's work) and replaying (this process's) overlap. Inside one (a test's), a
     thread's connection would not see the caller's rows: pages are read in turn."""
     if connections[db].in_atomic_block:
-        after = ""
-        while batch := histories.unfinished_page(db, after, page, names):
-            yield batch
-            after = batch[-1][1].id
+        yield from histories.unfinished_runs(db, names, page)
         return
-    with ThreadPoolExecutor(1, thread_name_prefix="durable-check") as reader:
-        upcoming = reader.submit(_read_page, db, "", page, names)
-        while batch := upcoming.result():
-            upcoming = reader.submit(_read_page, db, batch[-1][1].id, page, names)
-            yield batch
-
-
-def _read_page(
-    db: str, after: str, page: int, names: Sequence[str]
-) -> list[tuple[str, RunSnapshot]]:
+    ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    reader = threading.Thread(
+        target=_read_ahead, args=(db, names, page, ahead, stop), name="durable-check", daemon=True
+    )
+    reader.start()
     try:
-        return histories.unfinished_page(db, after, page, names)
+        while (item := ahead.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
     finally:
-        connections.close_all()  # the reader thread's own connection
+        stop.set()  # the caller stopped early (an error): the reader puts nothing more
+        reader.join()
+
+
+_DONE = object()
+
+
+def _read_ahead(
+    db: str, names: Sequence[str], page: int, ahead: queue.Queue[Any], stop: threading.Event
+) -> None:
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in histories.unfinished_runs(db, names, page):
+            if not put(batch):
+                return
+        put(_DONE)
+    except Exception as exc:  # the caller raises it
+        put(exc)
+    finally:
+        connections.close_all()  # this thread's own connection
 
 
 def _bound_rows(db: str, snapshots: list[RunSnapshot]) -> dict[str, dict[str, Any] | None]:
