@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.test import TestCase
 
 import durable
 from durable.models import Timer, WorkflowRun
@@ -201,3 +202,14 @@ def test_handlers_run_in_the_test_even_when_the_project_ships_them(settings):
         durable.schedule(outside, args=(8,), delay=DAY)
         trip = machine.advance(days=2)
         assert [f.state for f in trip] == ["fired"] and keys("outside:") == ["outside:8"]
+
+
+class TimeMachineInADjangoTestCase(TestCase):
+    """Django's ``TestCase`` wraps each test in a transaction too."""
+
+    def test_a_run_sleeps_and_completes(self):
+        with time_machine(START) as machine:
+            run = late_sleeper.start()
+            trip = machine.advance(days=5)
+        self.assertEqual(trip.completed, [run.pk])
+        self.assertEqual(keys("day"), ["day3", "day4"])
