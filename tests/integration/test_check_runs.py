@@ -160,3 +160,22 @@ def test_a_run_whose_code_returns_early_or_raises_is_reported():
     found = check_run(snapshot, "sleeping", None, now_ms=0)
     assert found.reason == "error" and "RuntimeError: bad deploy" in found.message
     assert check_runs().checked == 0
+
+
+def test_runs_bound_to_a_row_replay_with_it_and_a_deleted_row_is_named():
+    from testproject.demo.models import Order
+
+    with time_machine(START) as machine:
+        kept, gone = (Order.objects.create(customer=c, total_cents=500) for c in "ab")
+        runs = [kept.fulfil.start(), gone.fulfil.start()]
+        machine.advance()
+        assert {r.state for r in WorkflowRun.objects.filter(pk__in=[r.pk for r in runs])} == {
+            "waiting"
+        }
+        status, report = check("--workflow", runs[0].name)
+        assert (status, report["checked"]) == (0, 2)
+        Order.objects.filter(pk=gone.pk).delete()
+        status, report = check("--workflow", runs[0].name)
+        (divergence,) = report["runs"]
+        assert status == 1 and divergence["run_id"] == runs[1].pk
+        assert divergence["reason"] == "bound_row" and f"pk={gone.pk}" in divergence["message"]
