@@ -85,7 +85,9 @@ def main() -> None:
     from durable.workflows.checkruns import check_runs
 
     discover()
+    cpu = time.process_time()
     in_process = check_runs()
+    cpu = time.process_time() - cpu  # this process's threads: reads and replays, not the server
     assert in_process.checked == options.runs and in_process.ok, in_process.to_json()
     rate = in_process.checked / in_process.seconds
     env = {**os.environ, "DATABASE_URL": URL, "DURABLE_LOG_LEVEL": "WARNING"}
@@ -99,6 +101,9 @@ def main() -> None:
     load = Path("/proc/loadavg").read_text().split()[:3]
     took = f"{in_process.seconds:.2f} s"
     print(f"check_runs(): {in_process.checked} runs in {took} = {rate:,.0f} runs/s")
+    print(
+        f"  CPU of this process: {cpu:.2f} s = {in_process.checked / cpu:,.0f} runs per CPU second"
+    )
     print(f"manage.py durable_check_runs: {wall:.2f} s wall (Django start-up included)")
     print(f"  its own line: {done.stdout.strip().splitlines()[-1]}")
     print(f"load average: {' '.join(load)}")
