@@ -299,6 +299,7 @@ def time_machine(
         FAILED_RETENTION_DAYS=None,
         RUN_RETENTION_DAYS=None,
         DISPATCH="inline",  # run every handler here, never ship it to executor processes
+        RAFT=None,  # one engine, alone in the test's database: the leases decide
     )
     with override_clock(clock):
         engine = Engine(node=node, clock=clock, conf=conf, pool=InlinePool())
