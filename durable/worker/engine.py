@@ -85,6 +85,7 @@ class Engine(Ownership):
         metrics: WorkerMetrics | None = None,
         raft_self: str | None = None,
         raft_bind: str | None = None,
+        pool: HandlerPool | None = None,
     ) -> None:
         self.conf = conf or get_settings()
         self.db = self.conf.DATABASE
@@ -93,8 +94,9 @@ class Engine(Ownership):
         self.stop_event = threading.Event()
         self.inbox: queue.SimpleQueue[Readd] = queue.SimpleQueue()
         self.metrics = metrics or WorkerMetrics()
-        # Threads for external handlers (and the engine's own background reads).
-        self.executor = HandlerPool(threads, name="durable")
+        # Threads for external handlers (and the engine's own background reads); tests may
+        # pass a pool that runs them on the calling thread (durable.testing.time_machine).
+        self.executor = pool or HandlerPool(threads, name="durable")
         self.firer = Firer(
             db=self.db,
             conf=self.conf,
