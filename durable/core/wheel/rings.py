@@ -126,19 +126,18 @@ class Rings(Generic[K]):
         levels = self._levels
         stages = self._stages
         for level in range(1, min(top, levels)):
+            self._take_stage(stages[level], due)
             if self._bitmaps[level]:
                 self._take_slots(level, self._mask + 1, due)
-            if stages[level].digit >= 0:
-                self._slot_visits += stages[level].take_all(due)
         if top < levels:
             stage = stages[top]
             digit = target >> (top * self._bits) & self._mask
             if digit == stage.digit:
                 self._enter(stage, target, due, out)
                 return
+            self._take_stage(stage, due)
             if self._bitmaps[top] & ((1 << digit) - 1):  # whole slots before target's: due
                 self._take_slots(top, digit, due)
-            self._slot_visits += stage.take_all(due)
             bitmap = self._bitmaps[top]
             if bitmap >> digit & 1:
                 self._bitmaps[top] = bitmap ^ self._powers[digit]
@@ -197,6 +196,28 @@ class Rings(Generic[K]):
             stage.base = ((now >> shift) + 1) << shift
             if self._bitmaps[level] >> digit & 1:
                 self._dirty = True
+
+    def _take_stage(self, stage: Stage[K], due: list[K]) -> None:
+        """Append every timer of a passed stage and its source, ties in insertion order.
+
+        That order is: the stage's rings (earlier rounds), the source, ``mid`` reversed
+        (the source's end, popped last first), then ``late``.
+        """
+        if stage.digit < 0:
+            return
+        self._slot_visits += stage.take_rings(due)
+        source = self._slots[stage.level][stage.digit]
+        if source:
+            due += source
+            source.clear()
+            self._bitmaps[stage.level] ^= self._powers[stage.digit]
+            self._slot_visits += 1
+        if stage.mid:
+            due += reversed(stage.mid)
+            stage.mid.clear()
+        if stage.late:
+            due += stage.late
+            stage.late.clear()
 
     def _stage_place(self, stage: Stage[K], timer_id: K, t: int) -> None:
         """Put a timer of ``stage``'s slot where it goes once time reaches the slot."""

@@ -62,14 +62,9 @@ class Stage(Generic[K]):
                     total += sum(len(slot) for slot in ring if slot)
         return total
 
-    def take_all(self, due: list[K]) -> int:
-        """Append every timer of the stage to ``due`` (time passed it); return slots visited."""
+    def take_rings(self, due: list[K]) -> int:
+        """Append the timers of the stage's rings to ``due``; return the slots visited."""
         visits = 0
-        for held in (self.mid, self.late):
-            if held:
-                due += held
-                held.clear()
-                visits += 1
         if self.rings is not None:
             for ring, bitmap in zip(self.rings, self.bitmaps, strict=True):
                 if bitmap:

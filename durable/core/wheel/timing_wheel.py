@@ -263,7 +263,7 @@ class TimingWheel(Rings[K]):
     def _insert_staged(self, level: int, source: dict[K, int], timer_id: K, t: int) -> None:
         """Insert into the slot level ``level`` is preparing, keeping insertion order."""
         stage = self._stages[level]
-        if stage.mid:  # a chunked move is under way: wait behind it
+        if stage.mid or stage.late:  # a chunked move is under way: wait behind it
             stage.late[timer_id] = t
             self._dirty = True
         elif source:  # not started: join the source, at its end
