@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TypeVar
 
-from durable.core.wheel.rings import Rings, occupied_slots
+from durable.core.wheel.rings import occupied_slots
 from durable.core.wheel.stage import Stage
+from durable.core.wheel.staging import StagedRings
 
 K = TypeVar("K", bound=Hashable)
 
@@ -27,7 +28,7 @@ def _check_setting(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class TimingWheel(Rings[K]):
+class TimingWheel(StagedRings[K]):
     """Hierarchical timing wheel of timer ids, driven by the caller's clock.
 
     ``TimingWheel(levels=5, slots=256, tick_ms=1, start_ms=0, cascade_budget=2048)``:
