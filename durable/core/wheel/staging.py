@@ -16,7 +16,7 @@ from durable.core.wheel.stage import Stage
 K = TypeVar("K", bound=Hashable)
 
 #: Floor of a paced pre-split chunk: below it, the cost of the call dominates the moves.
-MIN_CHUNK = 64
+MIN_CHUNK = 16
 
 
 class StagedRings(Rings[K]):
@@ -162,6 +162,21 @@ class StagedRings(Rings[K]):
             stage.bitmaps[level] |= self._powers[digit]
         slot[timer_id] = t
 
+    def _place_popped(self, stage: Stage[K], mid: dict[K, int], n: int) -> None:
+        """Pop ``n`` timers off ``mid``'s end into ``stage`` (:meth:`_stage_place` inlined)."""
+        rings = stage.rings if stage.rings is not None else stage.allocate(self._mask + 1)
+        bitmaps = stage.bitmaps
+        base, bits, mask = stage.base, self._bits, self._mask
+        level_of, powers, pop = self._level_of, self._powers, mid.popitem
+        for _ in range(n):
+            timer_id, t = pop()
+            level = level_of[(t ^ base).bit_length()]
+            digit = t >> (level * bits) & mask
+            slot = rings[level][digit]
+            if not slot:
+                bitmaps[level] |= powers[digit]
+            slot[timer_id] = t
+
     def _stage_work(self, stage: Stage[K]) -> int:
         """Steps left to pre-split ``stage``: two per timer of the source or ``late``."""
         if stage.digit < 0:
@@ -193,11 +208,7 @@ class StagedRings(Rings[K]):
                     self._slot_visits += 1
             elif mid:
                 n = len(mid) if quota < 0 else min(quota - done, len(mid))
-                pop = mid.popitem
-                place = self._stage_place
-                for _ in range(n):
-                    timer_id, t = pop()
-                    place(stage, timer_id, t)
+                self._place_popped(stage, mid, n)
                 self._cascaded += n
                 done += n
                 if not mid:
