@@ -198,12 +198,25 @@ class TimingWheel(StagedRings[K]):
                 level = self._level_of[n]
                 digit = t >> (level * self._bits) & self._mask
                 slot = self._slots[level][digit]
-                if digit == self._next[level]:
-                    self._insert_staged(level, slot, timer_id, t)
-                else:
+                if digit != self._next[level]:
                     if not slot:
                         self._bitmaps[level] |= self._powers[digit]
                     slot[timer_id] = t
+                else:  # level's next slot: its stage, unless a move is under way (order)
+                    stage = self._stages[level]
+                    if stage.mid or stage.late:
+                        stage.late[timer_id] = t
+                        self._dirty = True
+                    elif slot:
+                        slot[timer_id] = t
+                    else:  # _stage_place inlined: half the inserts of a busy runner
+                        rings = stage.rings or stage.allocate(self._mask + 1)
+                        level = self._level_of[(t ^ stage.base).bit_length()]
+                        digit = t >> (level * self._bits) & self._mask
+                        slot = rings[level][digit]
+                        if not slot:
+                            stage.bitmaps[level] |= self._powers[digit]
+                        slot[timer_id] = t
             else:
                 self._to_overflow(timer_id, t)
         pending[timer_id] = fire_at_ms
@@ -260,17 +273,6 @@ class TimingWheel(StagedRings[K]):
         for timer_id in out:
             del pending[timer_id]
         return out
-
-    def _insert_staged(self, level: int, source: dict[K, int], timer_id: K, t: int) -> None:
-        """Insert into the slot level ``level`` is preparing, keeping insertion order."""
-        stage = self._stages[level]
-        if stage.mid or stage.late:  # a chunked move is under way: wait behind it
-            stage.late[timer_id] = t
-            self._dirty = True
-        elif source:  # not started: join the source, at its end
-            source[timer_id] = t
-        else:
-            self._stage_place(stage, timer_id, t)
 
     def _cancel_staged(self, stage: Stage[K], handle: K, t: int) -> None:
         """Delete a timer of a prepared slot: in ``mid``, ``late`` or the stage's rings."""
