@@ -3,6 +3,7 @@
     python bench/wheel_boundary.py              # 1M timers, before and after, ~3 minutes
     python bench/wheel_boundary.py --quick      # 100,000 timers, one run: a smoke test
     python bench/wheel_boundary.py --json b.json
+    python bench/wheel_boundary.py --costs      # also insert/cancel/drain, before vs after
 
 Issue 16: crossing a level-3 boundary (every 4.66 h) used to move every loaded timer past it
 in one ``advance``, and shards, whose boundaries coincide, stalled together. This runs the
@@ -23,6 +24,8 @@ process, on the same timers: ``--n`` timers uniform over a runner's 70-minute ho
    lateness p50/p99/max and the longest turn (all wheels advanced once), in wall-clock and
    in CPU time: on a loaded machine a gap between the two is time the process waited for a
    core, which no wheel can help.
+3. **What it costs** (``--costs``): ``bench/wheel.py``'s insert, cancel, drain and memory
+   figures at ``--n`` pending, with the wheel before the change in the second column.
 """
 
 from __future__ import annotations
@@ -90,7 +93,9 @@ def cpu_run(side: str, times: list[int], start: int, step: int) -> tuple[list[in
     return cost, moved
 
 
-def cpu_figures(times: list[int], start: int, boundary: int, step: int, repeat: int) -> dict:
+def cpu_figures(
+    times: list[int], start: int, boundary: int, step: int, repeat: int
+) -> dict[str, Any]:
     """Per side: the longest advance (best of ``repeat`` per call) and where it falls."""
     result: dict[str, Any] = {}
     nows = list(range(start + step, start + HORIZON + 1, step))
@@ -118,7 +123,9 @@ def cpu_figures(times: list[int], start: int, boundary: int, step: int, repeat: 
     return result
 
 
-def realtime(side: str, times: list[int], start: int, boundary: int, shards: int, window: int):
+def realtime(
+    side: str, times: list[int], start: int, boundary: int, shards: int, window: int
+) -> dict[str, float]:
     """Drive ``shards`` wheels by the wall clock across the boundary; lateness and turns."""
     wheels = [SIDES[side](start) for _ in range(shards)]
     fire: dict[int, int] = {}
@@ -142,7 +149,7 @@ def realtime(side: str, times: list[int], start: int, boundary: int, shards: int
     gc.collect()
     gc.disable()
     try:
-        end = boundary + window * 1000
+        end = float(boundary + window * 1000)
         while True:
             now = min(end, wheel_now())
             turn0, cpu0 = time.perf_counter(), time.process_time()
@@ -172,6 +179,18 @@ def realtime(side: str, times: list[int], start: int, boundary: int, shards: int
     }
 
 
+def costs(n: int, step_ms: int, repeat: int, seed: int) -> None:
+    """bench/wheel.py's per-distribution table, the wheel after (left) and before (right)."""
+    from bench import wheel as peers
+
+    peers.SIDES.clear()  # its columns are "wheel" and "heap": here after and before
+    peers.SIDES["wheel"] = lambda: TimingWheel(start_ms=peers.START_MS)
+    peers.SIDES["heap"] = lambda: WheelBefore(start_ms=peers.START_MS)
+    for key, make in (("uniform over 1 hour", peers.uniform_hour), ("mixed", peers.mixed)):
+        figures = peers.run_distribution(make(n, random.Random(seed)), step_ms, repeat, seed)
+        peers.print_distribution(f"{key} (columns: wheel = after, heap = BEFORE)", figures)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run both parts for both sides, print the tables, optionally write JSON."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="100,000 timers, one run")
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser.add_argument("--costs", action="store_true", help="insert/cancel/drain too")
     args = parser.parse_args(argv)
     n = 100_000 if args.quick else args.n
     repeat = 1 if args.quick else args.repeat
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         ):
             before, after = real[f"before_{shards}"][key], real[f"after_{shards}"][key]
             print(f"  {label:34} {before:>12,.2f} {after:>12,.2f}")
+    if args.costs:
+        costs(n, args.step_ms, repeat, args.seed)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps({"n": n, "cpu": cpu, "real": real}, indent=2) + "\n")

@@ -144,7 +144,7 @@ def test_inserts_and_cancels_in_every_phase_of_a_chunked_move_keep_order() -> No
         wheel.insert(name, tie)
     wheel.advance(boundary - LEVEL3 + 1)  # now that slot is the next: its source
     phases = []
-    for k in range(12):  # each call moves 3 steps of the 20 the source needs
+    for k in range(12):  # calls a 13th of the slot apart: a chunk of 3 steps is often due
         wheel.insert(f"during-{k}", tie)
         if k % 4 == 1:
             assert wheel.cancel(f"during-{k - 1}")
@@ -152,7 +152,7 @@ def test_inserts_and_cancels_in_every_phase_of_a_chunked_move_keep_order() -> No
             assert wheel.cancel("early-9") and wheel.cancel("early-0")
         stage = wheel._stages[3]
         phases.append((bool(wheel._slots[3][stage.digit]), bool(stage.mid), bool(stage.late)))
-        wheel.advance(boundary - LEVEL3 + 2 + k)
+        wheel.advance(boundary - LEVEL3 + 1 + (k + 1) * (LEVEL3 // 13))
     assert (True, True, False) in phases or (True, True, True) in phases  # source -> mid
     assert any(mid and not source for source, mid, _ in phases)  # mid -> stage
     wheel.insert("after", tie)

@@ -32,7 +32,7 @@ class Stage(Generic[K]):
     ring's last; the level above stages what follows). ``rings`` are allocated on first use.
     """
 
-    __slots__ = ("base", "bitmaps", "digit", "late", "level", "mid", "rings")
+    __slots__ = ("base", "bitmaps", "digit", "due", "late", "level", "mid", "paced_at", "rings")
 
     def __init__(self, level: int) -> None:
         self.level = level
@@ -42,6 +42,8 @@ class Stage(Generic[K]):
         self.bitmaps = [0] * level
         self.mid: dict[K, int] = {}  # the source reversed, on its way into the rings
         self.late: dict[K, int] = {}  # inserted while a chunked move was under way
+        self.paced_at = 0  # tick of the last chunk moved, or of the stage's start
+        self.due = 0  # tick at which the next chunk is due
 
     def allocate(self, slots: int) -> list[list[dict[K, int]]]:
         """Return the stage's rings, creating them (``level`` rings of ``slots``) if needed."""

@@ -23,12 +23,13 @@ MIN_CHUNK = 64
 #: default), all of it due within that long after time enters it: splitting it then is
 #: work for timers about to fire, while staging it would cost every timer two more moves.
 FIRST_STAGED = 2
+NEVER = 1 << 128  # a tick no clock reaches: no chunk is due
 
 
 class StagedRings(Rings[K]):
     """Rings whose coarse slots are prepared ahead of time; the jump that uses them."""
 
-    __slots__ = ("_budget", "_dirty", "_next", "_stages")
+    __slots__ = ("_budget", "_chunk_at", "_next", "_stages")
 
     def __init__(self, levels: int, bits: int, tick_ms: int, now: int, budget: int) -> None:
         super().__init__(levels, bits, tick_ms, now)
@@ -37,7 +38,7 @@ class StagedRings(Rings[K]):
         # or -1 (no stage: level 0, or the current slot is the ring's last).
         self._stages: list[Stage[K]] = [Stage(level) for level in range(levels)]
         self._next = [-1] * levels
-        self._dirty = False  # a stage may have a source, mid or late to move
+        self._chunk_at = NEVER  # tick at which some stage's next chunk is due
         self._restage(levels - 1)
 
     def _jump(self, target: int, out: list[K]) -> None:
@@ -133,8 +134,8 @@ class StagedRings(Rings[K]):
                 continue
             stage.digit = self._next[level] = digit
             stage.base = ((now >> shift) + 1) << shift
-            if self._bitmaps[level] >> digit & 1:
-                self._dirty = True
+            stage.paced_at = now
+        self._schedule_chunks()
 
     def _take_stage(self, stage: Stage[K], due: list[K]) -> None:
         """Append every timer of a passed stage and its source, ties in insertion order.
@@ -226,39 +227,54 @@ class StagedRings(Rings[K]):
                 break
         return done
 
-    def _presplit_paced(self, step: int) -> None:
-        """Spend this advance's share of the pre-split work, at most the budget in all.
+    def _presplit_paced(self) -> None:
+        """Move the chunks that are due, at most the budget in all, and plan the next ones.
 
-        Each stage gets the fraction of its remaining work that ``step`` (the ticks this
-        advance covered) is of the time left before its slot, and at least ``MIN_CHUNK``:
-        work spreads evenly over the calls and ends before the slot, where entering it costs
-        no move. ``next_expiry`` asks for calls often enough that the share fits the budget.
+        A stage's chunk is ``MIN_CHUNK`` steps, or more if the calls came seldom: the share
+        of its remaining work that the time since its last chunk is of the time that was
+        left then. Chunks are planned evenly over the time left before the slot, so the
+        work ends before it, where entering costs no move. Shards crossing one boundary
+        have different amounts to move, so their chunks fall in different turns.
         """
         budget = self._budget
+        chunk = min(MIN_CHUNK, budget)
         now = self._now
-        busy = False
+        for stage in self._stages[FIRST_STAGED:]:
+            if stage.digit < 0 or now < stage.due:
+                continue
+            work = self._stage_work(stage)
+            if work:
+                left = stage.base - stage.paced_at
+                share = max(chunk, -(-work * (now - stage.paced_at) // left))
+                budget -= self._presplit(stage, min(share, budget))
+            stage.paced_at = now
+            if budget <= 0:
+                break
+        self._schedule_chunks()
+
+    def _schedule_chunks(self) -> None:
+        """Plan each stage's next chunk: ``MIN_CHUNK`` steps of its work, evenly paced."""
+        chunk = min(MIN_CHUNK, self._budget)
+        soonest = NEVER
         for stage in self._stages[FIRST_STAGED:]:
             if stage.digit < 0:
                 continue
-            work = 2 * (len(self._slots[stage.level][stage.digit]) + len(stage.late))
-            work += len(stage.mid)
-            if not work:
-                continue
-            share = max(MIN_CHUNK, -(-work * step // (stage.base - now)))
-            done = self._presplit(stage, min(share, budget))
-            budget -= done
-            busy = busy or done < work
-            if budget <= 0:
-                busy = True
-                break
-        self._dirty = busy
+            work = self._stage_work(stage)
+            if work:
+                # every (chunk / work) of the time left; less work than a chunk: at (work /
+                # chunk) of it, so that shards with different amounts move in different turns
+                left = stage.base - stage.paced_at
+                spacing = left * min(work, chunk) // max(work, chunk)
+                stage.due = stage.paced_at + max(1, min(spacing, left - 1))
+                soonest = min(soonest, stage.due)
+        self._chunk_at = soonest
 
     def _presplit_wakeup(self) -> int | None:
         """The tick by which the next advance should come so pre-splits keep pace, or None.
 
         Only when a stage has more work left than one budget: less is done on entering.
         """
-        if not self._dirty:
+        if self._chunk_at == NEVER:
             return None
         now = self._now
         soonest = None

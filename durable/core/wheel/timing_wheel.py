@@ -204,9 +204,8 @@ class TimingWheel(StagedRings[K]):
                     slot[timer_id] = t
                 else:  # level's next slot: its stage, unless a move is under way (order)
                     stage = self._stages[level]
-                    if stage.mid or stage.late:
+                    if stage.mid or stage.late:  # (a chunk is planned: mid has work)
                         stage.late[timer_id] = t
-                        self._dirty = True
                     elif slot:
                         slot[timer_id] = t
                     else:  # _stage_place inlined: half the inserts of a busy runner
@@ -265,10 +264,9 @@ class TimingWheel(StagedRings[K]):
             self._time_ms = now_ms
             target = now_ms if self._tick == 1 else now_ms // self._tick
             if target > self._now:
-                step = target - self._now
                 self._jump(target, out)
-                if self._dirty:
-                    self._presplit_paced(step)
+                if target >= self._chunk_at:
+                    self._presplit_paced()
         pending = self._pending
         for timer_id in out:
             del pending[timer_id]
