@@ -203,7 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="100,000 timers, one run")
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
     parser.add_argument("--costs", action="store_true", help="insert/cancel/drain too")
+    parser.add_argument("--costs-only", action="store_true", help="only insert/cancel/drain")
     args = parser.parse_args(argv)
+    if args.costs_only:
+        costs(100_000 if args.quick else args.n, args.step_ms, args.repeat, args.seed)
+        return
     n = 100_000 if args.quick else args.n
     repeat = 1 if args.quick else args.repeat
     boundary, start = boundary_and_start()

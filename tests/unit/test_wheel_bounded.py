@@ -137,26 +137,26 @@ def test_a_jump_over_hours_moves_at_most_one_slot_of_what_is_not_due() -> None:
 def test_inserts_and_cancels_in_every_phase_of_a_chunked_move_keep_order() -> None:
     """Ties inserted before, during and after the slot's chunked move fire in insert order."""
     boundary = (EPOCH // LEVEL3 + 1) * LEVEL3
-    wheel: TimingWheel[str] = TimingWheel(start_ms=boundary - 2 * LEVEL3 + 5, cascade_budget=3)
+    wheel: TimingWheel[str] = TimingWheel(start_ms=boundary - 2 * LEVEL3 + 5, cascade_budget=8)
     tie = boundary + 3 * MINUTE
-    early = [f"early-{i}" for i in range(10)]
+    early = [f"early-{i}" for i in range(40)]  # more than a stage moves at once (32)
     for name in early:  # in level 3's slot after next: no stage yet, they sit in the ring
         wheel.insert(name, tie)
     wheel.advance(boundary - LEVEL3 + 1)  # now that slot is the next: its source
     phases = []
-    for k in range(12):  # calls a 13th of the slot apart: a chunk of 3 steps is often due
+    for k in range(24):  # calls a 25th of the slot apart: chunks of 8 steps come due
         wheel.insert(f"during-{k}", tie)
         if k % 4 == 1:
             assert wheel.cancel(f"during-{k - 1}")
         if k == 2:
-            assert wheel.cancel("early-9") and wheel.cancel("early-0")
+            assert wheel.cancel("early-39") and wheel.cancel("early-0")
         stage = wheel._stages[3]
         phases.append((bool(wheel._slots[3][stage.digit]), bool(stage.mid), bool(stage.late)))
-        wheel.advance(boundary - LEVEL3 + 1 + (k + 1) * (LEVEL3 // 13))
+        wheel.advance(boundary - LEVEL3 + 1 + (k + 1) * (LEVEL3 // 25))
     assert (True, True, False) in phases or (True, True, True) in phases  # source -> mid
     assert any(mid and not source for source, mid, _ in phases)  # mid -> stage
     wheel.insert("after", tie)
-    expected = [*early[1:9], *(f"during-{k}" for k in range(12) if k % 4 != 0), "after"]
+    expected = [*early[1:39], *(f"during-{k}" for k in range(24) if k % 4 != 0), "after"]
     assert wheel.advance(tie) == expected
 
 

@@ -23,6 +23,10 @@ MIN_CHUNK = 64
 #: default), all of it due within that long after time enters it: splitting it then is
 #: work for timers about to fire, while staging it would cost every timer two more moves.
 FIRST_STAGED = 2
+#: A source this small (and within the budget) is moved when its stage starts: one pass,
+#: cheaper than the call a planned chunk costs; 64 shards crossing together move at most
+#: 64 x 32 timers at once.
+SMALL_SOURCE = 32
 NEVER = 1 << 128  # a tick no clock reaches: no chunk is due
 
 
@@ -66,16 +70,18 @@ class StagedRings(Rings[K]):
         levels = self._levels
         stages = self._stages
         for level in range(1, min(top, levels)):
-            self._take_stage(stages[level], due)
+            if stages[level].digit >= 0:
+                self._take_stage(stages[level], due)
             if self._bitmaps[level]:
                 self._take_slots(level, self._mask + 1, due)
         if top < levels:
             stage = stages[top]
             digit = target >> (top * self._bits) & self._mask
-            if digit == stage.digit:
+            if digit == stage.digit and (self._bitmaps[top] >> digit & 1 or stage.has_timers()):
                 self._enter(stage, target, due, out)
                 return
-            self._take_stage(stage, due)
+            if stage.digit >= 0:  # (an empty next slot is not worth entering)
+                self._take_stage(stage, due)
             if self._bitmaps[top] & ((1 << digit) - 1):  # whole slots before target's: due
                 self._take_slots(top, digit, due)
             bitmap = self._bitmaps[top]
@@ -91,14 +97,16 @@ class StagedRings(Rings[K]):
             if len(due) > 1:
                 due.sort(key=self._pending.__getitem__)
             out += due
-        self._restage(min(top, levels - 1))
+        if top >= FIRST_STAGED:
+            self._restage(min(top, levels - 1))
 
     def _enter(self, stage: Stage[K], target: int, due: list[K], out: list[K]) -> None:
         """Time enters ``stage``'s slot: swap its rings in, then go on to ``target``.
 
         ``due`` holds the timers before the slot (all due); the lower rings are empty.
         """
-        self._presplit(stage, -1)  # what pacing left: the caller advanced too seldom
+        if stage.mid or stage.late or self._bitmaps[stage.level] >> stage.digit & 1:
+            self._presplit(stage, -1)  # what pacing left: the caller advanced too seldom
         if due:
             if len(due) > 1:
                 due.sort(key=self._pending.__getitem__)
@@ -122,9 +130,13 @@ class StagedRings(Rings[K]):
 
     def _restage(self, upto: int) -> None:
         """Point the (empty) stages of levels up to ``upto`` at their next slot from now."""
+        if upto < FIRST_STAGED:
+            return  # the usual jump (over a level-1 boundary) leaves every stage as it was
         now = self._now
         bits = self._bits
         mask = self._mask
+        sources = 0
+        small = min(SMALL_SOURCE, self._budget)
         for level in range(FIRST_STAGED, upto + 1):
             stage = self._stages[level]
             shift = level * bits
@@ -135,7 +147,14 @@ class StagedRings(Rings[K]):
             stage.digit = self._next[level] = digit
             stage.base = ((now >> shift) + 1) << shift
             stage.paced_at = now
-        self._schedule_chunks()
+            source = self._slots[level][digit]
+            if len(source) <= small:  # cheaper moved now than planned (and order kept)
+                if source:
+                    self._presplit(stage, len(source))
+            else:
+                sources = 1
+        if sources:  # (a plan of a stage restaged here is stale: a call to it re-plans)
+            self._schedule_chunks()
 
     def _take_stage(self, stage: Stage[K], due: list[K]) -> None:
         """Append every timer of a passed stage and its source, ties in insertion order.
@@ -168,6 +187,20 @@ class StagedRings(Rings[K]):
         if not slot:
             stage.bitmaps[level] |= self._powers[digit]
         slot[timer_id] = t
+
+    def _place_all_staged(self, stage: Stage[K], timers: dict[K, int]) -> None:
+        """Place every timer of ``timers`` into ``stage``, in their order."""
+        rings = stage.rings if stage.rings is not None else stage.allocate(self._mask + 1)
+        bitmaps = stage.bitmaps
+        base, bits, mask = stage.base, self._bits, self._mask
+        level_of, powers = self._level_of, self._powers
+        for timer_id, t in timers.items():
+            level = level_of[(t ^ base).bit_length()]
+            digit = t >> (level * bits) & mask
+            slot = rings[level][digit]
+            if not slot:
+                bitmaps[level] |= powers[digit]
+            slot[timer_id] = t
 
     def _place_popped(self, stage: Stage[K], mid: dict[K, int], n: int) -> None:
         """Pop ``n`` timers off ``mid``'s end into ``stage`` (:meth:`_stage_place` inlined)."""
@@ -202,7 +235,16 @@ class StagedRings(Rings[K]):
         while quota < 0 or done < quota:
             source = self._slots[level][digit]
             mid = stage.mid
-            if source:
+            if source and not mid and (quota < 0 or len(source) <= quota - done):
+                # all of it fits: one pass in insertion order, no reversal needed
+                n = len(source)
+                self._place_all_staged(stage, source)
+                self._cascaded += n
+                done += n
+                source.clear()
+                self._bitmaps[level] ^= self._powers[digit]
+                self._slot_visits += 1
+            elif source:
                 n = len(source) if quota < 0 else min(quota - done, len(source))
                 pop = source.popitem
                 for _ in range(n):
@@ -256,17 +298,19 @@ class StagedRings(Rings[K]):
         """Plan each stage's next chunk: ``MIN_CHUNK`` steps of its work, evenly paced."""
         chunk = min(MIN_CHUNK, self._budget)
         soonest = NEVER
+        slots = self._slots
         for stage in self._stages[FIRST_STAGED:]:
             if stage.digit < 0:
                 continue
-            work = self._stage_work(stage)
+            work = 2 * (len(slots[stage.level][stage.digit]) + len(stage.late)) + len(stage.mid)
             if work:
                 # every (chunk / work) of the time left; less work than a chunk: at (work /
                 # chunk) of it, so that shards with different amounts move in different turns
                 left = stage.base - stage.paced_at
                 spacing = left * min(work, chunk) // max(work, chunk)
                 stage.due = stage.paced_at + max(1, min(spacing, left - 1))
-                soonest = min(soonest, stage.due)
+                if stage.due < soonest:
+                    soonest = stage.due
         self._chunk_at = soonest
 
     def _presplit_wakeup(self) -> int | None:

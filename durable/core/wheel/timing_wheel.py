@@ -274,10 +274,13 @@ class TimingWheel(StagedRings[K]):
 
     def _cancel_staged(self, stage: Stage[K], handle: K, t: int) -> None:
         """Delete a timer of a prepared slot: in ``mid``, ``late`` or the stage's rings."""
-        for held in (stage.mid, stage.late):
-            if handle in held:
-                del held[handle]
-                return
+        mid, late = stage.mid, stage.late
+        if mid and handle in mid:
+            del mid[handle]
+            return
+        if late and handle in late:
+            del late[handle]
+            return
         assert stage.rings is not None
         level = self._level_of[(t ^ stage.base).bit_length()]
         digit = t >> (level * self._bits) & self._mask
