@@ -120,6 +120,44 @@ def acquire_as_leader(
         return {shard: token for shard, token in cursor.fetchall()}
 
 
+FROZEN_HOLDER_IDLE_S = 0.5
+"""How long a session must have sat idle inside its transaction, holding the lease row of
+a shard a newer Raft leader takes, before :func:`end_frozen_holders` ends it."""
+
+
+def end_frozen_holders(db: str, shards: Iterable[int], idle_s: float) -> list[int]:
+    """End the sessions that hold ``shards``' lease rows locked while idle in their
+    transaction for ``idle_s`` or more; return their server pids (PostgreSQL only).
+
+    A frozen owner (SIGSTOP, a VM pause) keeps its firing transaction open, and with it
+    the lock on its shards' lease rows, until PostgreSQL's idle-in-transaction timeout
+    (twice ``LEASE_TTL_S``): the new Raft leader's takeover skips locked rows, so the shard
+    would wait that long. Only a leader with a newer term calls this, for rows it could
+    not take: the holder has lost the shard already and its commit would be fenced, so
+    ending its transaction loses nothing (its fires stay pending and run again). A row
+    lock's holder is the transaction in the row's ``xmax``; ``pg_locks`` names its pid.
+    Ending another session needs the same database role (or ``pg_signal_backend``).
+    """
+    shards = sorted(set(shards))
+    conn = connections[db]
+    if not shards or conn.vendor != "postgresql":
+        return []
+    marks = ", ".join(["%s"] * len(shards))
+    with conn.cursor() as cursor:
+        cursor.execute(
+            "SELECT a.pid, pg_terminate_backend(a.pid) FROM durable_shardlease l "
+            "JOIN pg_locks k ON k.locktype = 'transactionid' AND k.granted "
+            "AND k.mode = 'ExclusiveLock' AND k.transactionid = l.xmax "
+            "JOIN pg_stat_activity a ON a.pid = k.pid "
+            f"WHERE l.shard IN ({marks}) AND a.pid <> pg_backend_pid() "
+            "AND a.state = 'idle in transaction' AND EXISTS (SELECT 1 FROM pg_locks r "
+            "WHERE r.pid = a.pid AND r.relation = 'durable_shardlease'::regclass) "
+            "AND a.state_change <= clock_timestamp() - make_interval(secs => %s)",
+            [*shards, idle_s],
+        )
+        return sorted({pid for pid, _ in cursor.fetchall()})
+
+
 def renew(
     db: str,
     owner: str,

@@ -93,6 +93,18 @@ class LeaseKeeper:
         # One statement for every shard: a failover hands a node a third of the shards
         # at once, and one transaction per shard was ~70 ms each on a loaded machine.
         tokens = store.acquire_as_leader(self.db, terms, self.node, now_ms, self.ttl_s)
+        locked = set(terms) - set(tokens)  # a frozen old owner may hold them: end it
+        if locked and (
+            pids := store.end_frozen_holders(self.db, locked, store.FROZEN_HOLDER_IDLE_S)
+        ):
+            event(
+                log,
+                logging.WARNING,
+                "lease.frozen_holder_ended",
+                node=self.node,
+                shards=",".join(map(str, sorted(locked))),
+                pids=",".join(map(str, pids)),
+            )
         for shard, token in sorted(tokens.items()):
             term = terms[shard]
             row = rows.get(shard)
