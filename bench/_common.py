@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DURABLE_URL = "postgres://durable:durable@127.0.0.1:5432/durable_bench"
-PROCRASTINATE_URL = "postgres://durable:durable@127.0.0.1:5432/durable_bench_procrastinate"
+# Overridable, so that runs sharing one server (two trees compared, several sessions)
+# each use databases of their own.
+DURABLE_URL = os.environ.get(
+    "DURABLE_BENCH_URL", "postgres://durable:durable@127.0.0.1:5432/durable_bench"
+)
+PROCRASTINATE_URL = os.environ.get(
+    "DURABLE_BENCH_PROCRASTINATE_URL",
+    "postgres://durable:durable@127.0.0.1:5432/durable_bench_procrastinate",
+)
 
 
 def setup_django(database_url: str, **env: str) -> None:

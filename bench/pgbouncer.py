@@ -20,6 +20,9 @@ through a PgBouncer 1.18 in transaction mode (started here, pool of 20, as the
 ``postgres`` OS user) and the worker LISTENs directly (``DURABLE_LISTEN_DATABASE_URL``,
 ``DURABLE["LISTEN_DATABASE"]``); "direct": both connect to PostgreSQL. Database
 ``durable_pgb_bench`` on the server at 127.0.0.1:5432 (created and migrated if missing).
+"direct, unprepared" (``--preload`` only): direct, with the pooled run's settings (the
+listen alias, hence no ``prepare_threshold`` and the worker not preparing): what the
+unprepared fire path costs without the pooler's hop.
 
 ``--preload``: the fire path alone, at the rate asked for whatever the producers manage.
 One process writes every timer first (``schedule_many``, 2,000 a transaction, through the
@@ -217,6 +220,9 @@ def main() -> None:
         pooled = bouncer.url("durable_pgb_bench", "durable", "durable")
         direct, direct_rate = run("direct", DIRECT_URL, {}, *common)
         listen = {"DURABLE_LISTEN_DATABASE_URL": DIRECT_URL}
+        unprepared = None
+        if args.preload:  # the pooled run's settings without the pooler
+            unprepared = run("unprepared", DIRECT_URL, listen, *common)
         behind, behind_rate = run("pgbouncer", pooled, listen, *common)
     finally:
         bouncer.destroy()
@@ -227,12 +233,22 @@ def main() -> None:
         "|---|---|---|---|",
         f"| direct | {direct_rate:,.0f} | {direct.p50:.1f} / {direct.p99:.1f} / "
         f"{direct.max:.1f} | {direct.n:,} |",
+        *(
+            [
+                f"| direct, unprepared (the pooled run's settings) | {unprepared[1]:,.0f} | "
+                f"{unprepared[0].p50:.1f} / {unprepared[0].p99:.1f} / {unprepared[0].max:.1f} "
+                f"| {unprepared[0].n:,} |"
+            ]
+            if unprepared
+            else []
+        ),
         f"| PgBouncer 1.18, transaction mode | {behind_rate:,.0f} | {behind.p50:.1f} / "
         f"{behind.p99:.1f} / {behind.max:.1f} | {behind.n:,} |",
         "",
         f"p99 through PgBouncer / direct: {ratio(behind.p99, direct.p99)} "
         f"(target: within 2x, {verdict}; asked for {args.rate:,}/s)",
     ]
+    lines.append(f"load average at the end: {Path('/proc/loadavg').read_text().strip()}")
     print("\n".join(lines))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")

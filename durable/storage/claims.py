@@ -26,9 +26,11 @@ The promises of DESIGN §5b and §12 that live here:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 
 from durable.models import TimerState
 from durable.storage import statements
@@ -61,14 +63,14 @@ class Counted:
 def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:
     """Count an attempt for each of ``ids`` that may fire now, under the lease ``tokens``.
 
-    Run in a transaction of its own, committed before the handlers run. Fenced like the
-    batch: a stale shard means nothing is counted. Rows with every attempt used are not
-    counted: the firer dead-letters them. Each counted row records the token its attempt
-    started under in ``claim_token`` (every outcome clears it), so a pending row found
-    with one set is a *suspect*: an attempt of it started and never recorded an outcome,
-    most likely because it took its worker down. A suspect is counted only when it is
-    the one timer due of ``ids``; among others it is *held* (:attr:`Counted.held`). On
-    PostgreSQL one statement, committed asynchronously.
+    Run in a transaction of its own (:func:`counting`), committed before the handlers
+    run. Fenced like the batch: a stale shard means nothing is counted. Rows with every
+    attempt used are not counted: the firer dead-letters them. Each counted row records
+    the token its attempt started under in ``claim_token`` (every outcome clears it), so
+    a pending row found with one set is a *suspect*: an attempt of it started and never
+    recorded an outcome, most likely because it took its worker down. A suspect is
+    counted only when it is the one timer due of ``ids``; among others it is *held*
+    (:attr:`Counted.held`). On PostgreSQL one statement, committed asynchronously.
     """
     conn = connections[db]
     shards = sorted(tokens)
@@ -121,10 +123,26 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
             sql, [shard_array, shard_array, tokens_array, _PENDING, *params, *token_params]
         )
         ok, counted, suspects, held, _ = cursor.fetchone()
-    if not ok:
-        return Counted(stale=fence_shards(db, tokens))
+    if not ok:  # which shards: a fence needs a transaction (none in autocommit)
+        with transaction.atomic(using=db):
+            return Counted(stale=fence_shards(db, tokens))
     attempts = {timer_id: n for timer_id, n in counted}
     return Counted(ids=set(attempts), suspects=set(suspects), held=set(held), attempts=attempts)
+
+
+def counting(db: str) -> AbstractContextManager[Any]:
+    """The transaction :func:`count_attempts` runs and commits in, before the batch.
+
+    On PostgreSQL, in autocommit, none: its one statement is a transaction of its own,
+    committed when it returns (asynchronously, as before), which saves the ``BEGIN``,
+    ``COMMIT`` and idle-guard round trips of an explicit one (behind a pooler each is a
+    trip through it). Elsewhere, or inside a transaction already, ``transaction.atomic``.
+    """
+    conn = connections[db]
+    if conn.vendor == "postgresql" and conn.get_autocommit() and not conn.in_atomic_block:
+        return nullcontext()
+    atomic: AbstractContextManager[Any] = transaction.atomic(using=db)
+    return atomic
 
 
 def uncount(db: str, ids: Sequence[int]) -> None:

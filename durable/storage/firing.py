@@ -103,21 +103,18 @@ def rescan_due_soon(db: str, shard: int, upto_ms: int, bucket_shift: int) -> lis
 
     Pending rows in any bucket up to ``upto_ms`` (so overdue rows from a past outage are
     included), and external fires whose claim expires by then, at their claim expiry.
-    It deliberately does not filter on ids seen before: ids commit out of order.
+    It deliberately does not filter on ids seen before: ids commit out of order. One
+    statement (a ``UNION ALL`` of the two reads): every shard rescans every
+    ``RESCAN_INTERVAL_S``, and each statement is a round trip of the fire loop.
     """
-    pending = _fetch(
+    return _fetch(
         db,
         "SELECT id, fire_at_ms FROM durable_timer "
-        "WHERE shard = %s AND state = %s AND bucket <= %s AND fire_at_ms <= %s",
-        [shard, _PENDING, bucket_of(upto_ms, bucket_shift), upto_ms],
-    )
-    reclaim = _fetch(
-        db,
-        "SELECT id, claim_expires_ms FROM durable_timer "
+        "WHERE shard = %s AND state = %s AND bucket <= %s AND fire_at_ms <= %s "
+        "UNION ALL SELECT id, claim_expires_ms FROM durable_timer "
         "WHERE shard = %s AND state = %s AND claim_expires_ms <= %s",
-        [shard, _FIRING, upto_ms],
+        [shard, _PENDING, bucket_of(upto_ms, bucket_shift), upto_ms, shard, _FIRING, upto_ms],
     )
-    return pending + reclaim
 
 
 def _fetch(db: str, sql: str, params: list[Any]) -> list[tuple[int, int]]:
@@ -154,6 +151,8 @@ def fence_and_lock_due(
     checked before any timer row is locked, and a stale token locks none. When nothing
     comes back (nothing due, or a stale lease), the plain fence says which, so the
     result is the same as the two calls'. Stale shards non-empty means nothing locked.
+    It is the batch transaction's first statement: the worker's idle guard sets its
+    timeout in it (:data:`~durable.storage.statements.IDLE_GUARD`).
     """
     shards = sorted(tokens)
     if connections[db].vendor != "postgresql":
@@ -163,7 +162,8 @@ def fence_and_lock_due(
     shard_array = statements.int_array(shards)
     sql = (
         "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
-        f"WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE) {select} "
+        f"WHERE shard = ANY(%s::integer[]) AND {statements.IDLE_GUARD} IS NOT NULL "
+        f"ORDER BY shard FOR SHARE) {select} "
         "AND NOT EXISTS (SELECT 1 FROM unnest(%s::integer[], %s::bigint[]) AS ours(shard, "
         "token) LEFT JOIN lease USING (shard) WHERE lease.token IS DISTINCT FROM ours.token) "
         "ORDER BY fire_at_ms, id FOR UPDATE OF durable_timer"

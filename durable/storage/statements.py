@@ -80,6 +80,24 @@ def prepare_on(connection: Any) -> bool:
     return True
 
 
+#: The idle timeout of this transaction, set to itself: a no-op as written. Written in the
+#: first statement of a transaction of the fire loop (in a condition evaluated before any
+#: row is locked, since ``set_config`` returns non-NULL: ``AND {IDLE_GUARD} IS NOT NULL``),
+#: it is where the worker's idle guard (:class:`durable.worker.housekeeping.IdleGuard`)
+#: puts its timeout instead of sending a statement of its own: one round trip fewer per
+#: transaction, which is what a fire costs behind a pooler (bench/firepath.py).
+IDLE_GUARD = (
+    "set_config('idle_in_transaction_session_timeout', "
+    "current_setting('idle_in_transaction_session_timeout'), true)"
+)
+
+
+def idle_guard(timeout_ms: int) -> str:
+    """What :data:`IDLE_GUARD` becomes in the worker's statements: its timeout, set for the
+    transaction (``SET LOCAL``: never for the session, which a pooler shares)."""
+    return f"set_config('idle_in_transaction_session_timeout', '{int(timeout_ms)}', true)"
+
+
 def in_clause(
     vendor: str, ids: Sequence[int], column: str = "id", sql_type: str = "bigint"
 ) -> tuple[str, list[Any]]:

@@ -1,4 +1,10 @@
-"""Helpers for testing code that uses durable: a manual clock and a way to install it."""
+"""Helpers for testing code that uses durable: a manual clock, a way to install it, and
+time travel with the real engine (:func:`time_machine`, the ``durable_time_machine``
+pytest fixture; see ``docs/how-to/testing.md``).
+
+``time_machine``, ``TimeMachine`` and ``Trip`` are imported lazily (they need Django and
+the engine); ``ManualClock`` and ``override_clock`` need neither.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,18 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-__all__ = ["ManualClock", "override_clock"]
+__all__ = ["ManualClock", "TimeMachine", "Trip", "override_clock", "time_machine"]
+
+_TRAVEL = ("TimeMachine", "Trip", "time_machine")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: durable.testing.travel imports the engine, hence Django's settings.
+    if name in _TRAVEL:
+        from durable.testing import travel
+
+        return getattr(travel, name)
+    raise AttributeError(f"module 'durable.testing' has no attribute {name!r}")
 
 
 class ManualClock:

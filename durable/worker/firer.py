@@ -197,7 +197,7 @@ class Firer:
         while work:
             tokens = {runner.shard: runner.token for runner, _ in work}
             ids = [timer_id for _, chunk in work for timer_id in chunk]
-            with transaction.atomic(using=self.db):
+            with claims.counting(self.db):
                 counted = claims.count_attempts(self.db, tokens, ids, self.clock.now_ms())
             if not counted.stale:
                 return counted

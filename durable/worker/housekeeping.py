@@ -13,7 +13,7 @@ from durable.conf import DurableSettings
 from durable.core.clock import Clock, SystemClock
 from durable.storage import firing as firing_store
 from durable.storage import leases as lease_store
-from durable.storage import retention
+from durable.storage import retention, statements
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
@@ -91,7 +91,9 @@ def guard_session(connection: Any, conf: DurableSettings) -> None:
     session is a server connection shared with other clients, which a session-level
     setting would leak to, while the loop's next transaction may run on a server
     connection that never got it. Per transaction, the guard holds on any connection and
-    ends with the transaction. It costs one round trip per transaction of the loop.
+    ends with the transaction. It costs one round trip per transaction of the loop, none
+    where the transaction's first statement carries it (the firing batch's, see
+    :class:`IdleGuard`).
     """
     if connection.vendor != "postgresql":
         return
@@ -109,16 +111,26 @@ def unguard_session(connection: Any) -> None:
 
 
 class IdleGuard:
-    """A Django execute wrapper: the first statement of each transaction sets the timeout."""
+    """A Django execute wrapper: the first statement of each transaction sets the timeout.
+
+    The fire loop's own first statements (the batch's lock, a fence) carry
+    :data:`durable.storage.statements.IDLE_GUARD`: there the guard writes its timeout into
+    the statement, which then sets it before it locks anything, and sends nothing of its
+    own. Any other first statement is preceded by a ``set_config`` of its own (one more
+    round trip).
+    """
 
     def __init__(self, timeout_ms: int) -> None:
-        self.sql = (
-            f"SELECT set_config('idle_in_transaction_session_timeout', '{int(timeout_ms)}', true)"
-        )
+        self.setting = statements.idle_guard(timeout_ms)
+        self.sql = f"SELECT {self.setting}"
 
     def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         connection = context["connection"]
         raw = connection.connection
+        if statements.IDLE_GUARD in sql:
+            # Wherever it comes in a transaction: one statement text (preparable), and
+            # setting the timeout again does no harm.
+            return execute(sql.replace(statements.IDLE_GUARD, self.setting), params, many, context)
         # Outside autocommit and with no transaction open on the server (status IDLE, 0
         # in psycopg 2 and 3): this statement would begin one, so set the timeout first.
         if not connection.get_autocommit() and raw.info.transaction_status == 0:

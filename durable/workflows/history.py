@@ -32,22 +32,32 @@ from durable.workflows.records import ChildRequest, Record, StepCall, Suspend
 from durable.workflows.registry import WorkflowDef, workflows
 
 
+class EndOfHistory(Suspend):
+    """A dry replay reached the end of the recorded history: all of it matched."""
+
+
 class ReplayOnlyBackend:
     """A backend that performs nothing: every call must already be in the history.
 
-    Its clock is frozen at the export time, so waits that had not ended then suspend
-    again. A call past the end of the history raises :class:`NonDeterminismError`.
+    Its clock is frozen at ``now_ms`` (the export time), so waits that had not ended
+    then suspend again. A call past the end of the history raises
+    :class:`NonDeterminismError`, or, with ``dry=True``, stops the replay there with
+    :class:`EndOfHistory` (the code matched everything recorded; what comes next is new
+    work, not a divergence): ``manage.py durable_check_runs`` checks unfinished runs so.
     """
 
-    def __init__(self, history: list[Record], now_ms: int) -> None:
+    def __init__(self, history: list[Record], now_ms: int, *, dry: bool = False) -> None:
         self._recorded = {record.seq for record in history}
         self._now_ms = now_ms
+        self._dry = dry
 
     def now_ms(self) -> int:
         """The export time."""
         return self._now_ms
 
     def _past_end(self, seq: int, what: str) -> NonDeterminismError:
+        if self._dry:
+            raise EndOfHistory(f"seq {seq}: the history ends here; the code goes on to {what}")
         return NonDeterminismError(
             f"seq {seq}: the history ends here but the code now calls {what}",
             seq=seq,

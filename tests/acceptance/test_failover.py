@@ -239,3 +239,113 @@ def test_failover_to_a_synchronous_replica_loses_and_doubles_nothing(
         metric(record_property, f"failover_{name}", value)
     assert outage, "no timer came due during the outage: nothing was tested"
     assert max(outage) <= promoted_ms - killed_ms + 5_000, pool.logs()
+
+
+# Run in a subprocess: schedule timers key0..key{n-1}, due from 2 s to 2 + n/20 s from now.
+SCHEDULE = """
+import sys
+from datetime import timedelta
+
+import django
+
+django.setup()
+
+from django.db import transaction
+
+import durable
+from testproject.demo import probes
+
+n = int(sys.argv[1])
+with transaction.atomic():
+    for i in range(n):
+        delay = timedelta(milliseconds=2_000 + i * 50)
+        durable.schedule(probes.record, args=[f"key{i}"], delay=delay)
+print("scheduled", n, flush=True)
+"""
+
+
+def test_an_old_primary_that_comes_back_is_refused(
+    topology: Topology, tmp_path: Path, record_property
+):
+    """The old primary restarts with its data and takes writes (a split brain the operator
+    failed to fence) while its timers are still pending there. The worker, which has used
+    the promoted replica's newer timeline, must not fire on it: the multi-host URL lists
+    the old primary first, so every reconnect reaches it, and is refused
+    (``database.stale_primary``). Once it is gone, the worker goes back to the new primary
+    and every timer fires there exactly once."""
+    (tmp_path / "logs").mkdir()
+    pool = WorkerPool(database_url=topology.url, log_dir=tmp_path / "logs")
+    timers = 400  # due over 2 s .. 22 s
+    done = subprocess.run(
+        [sys.executable, "-c", SCHEDULE, str(timers)],
+        cwd=REPO_ROOT,
+        env=pool.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    fired = "SELECT count(*) FROM demo_firerecord"
+    try:
+        pool.start("w1")
+        pool.wait_until(
+            lambda: (topology.one(fired) or 0) >= 20,
+            timeout_s=60,
+            what="20 fires on the first primary",
+            require_alive=["w1"],
+        )
+        topology.primary.stop("immediate")
+        topology.replica.promote()
+        promoted_ms = now_ms()
+        after = f"SELECT count(*) FROM demo_firerecord WHERE fired_at_ms > {promoted_ms}"
+        pool.wait_until(
+            lambda: (topology.one(after) or 0) >= 20,
+            timeout_s=60,
+            what="20 fires on the promoted replica",
+            require_alive=["w1"],
+        )
+        # The old primary comes back as a primary, its timers pending, no longer waiting
+        # for a synchronous standby (so its commits would succeed).
+        topology.primary.start()
+        topology.primary.query(DBNAME, "ALTER SYSTEM RESET synchronous_standby_names")
+        topology.primary.query(DBNAME, "SELECT pg_reload_conf()")
+        old_fired = topology.primary.query(DBNAME, fired)[0][0]
+        old_pending = topology.primary.query(
+            DBNAME, "SELECT count(*) FROM durable_timer WHERE state = 'pending'"
+        )[0][0]
+        assert old_pending > 0, "nothing pending on the old primary: nothing was tested"
+        # Cut the worker's sessions on the new primary: it reconnects, and libpq tries
+        # the old primary first.
+        topology.replica.query(
+            "postgres",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{DBNAME}' AND pid <> pg_backend_pid()",
+        )
+        pool.wait_until(
+            lambda: (
+                len(pool.workers["w1"].events("database.stale_primary")) >= 2
+                or topology.primary.query(DBNAME, fired)[0][0] > old_fired
+            ),
+            timeout_s=30,
+            what="the worker refusing the old primary twice (or firing there)",
+            require_alive=["w1"],
+        )
+        fired_on_old = topology.primary.query(DBNAME, fired)[0][0] - old_fired
+        assert fired_on_old == 0, f"{fired_on_old} fired on the old primary\n{pool.logs()}"
+        topology.primary.stop("immediate")
+        ok = "SELECT count(DISTINCT key) FROM demo_firerecord WHERE key LIKE 'key%'"
+        pool.wait_until(
+            lambda: topology.one(ok) == timers,
+            timeout_s=60,
+            what="every timer fired on the new primary",
+            require_alive=["w1"],
+        )
+        rows = topology.rows("SELECT key, fired_at_ms, due_at_ms FROM demo_firerecord")
+    finally:
+        pool.stop_all()
+    keys = [key for key, _, _ in rows]
+    assert len(keys) == len(set(keys)) == timers, "a timer fired twice or not at all"
+    assert all(f >= d for _, f, d in rows), "a timer fired early"
+    refused = pool.workers["w1"].events("database.stale_primary")
+    metric(record_property, "old_primary_refusals", len(refused))
+    metric(record_property, "old_primary_pending_timers_left_alone", old_pending)

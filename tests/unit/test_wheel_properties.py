@@ -22,6 +22,9 @@ YEAR = 365 * DAY
 # (levels, slots, tick_ms): the default, and shapes small enough that random time jumps
 # cross every level boundary and lean on the overflow constantly.
 SHAPES = [(5, 256, 1), (1, 2, 1), (2, 4, 1), (3, 8, 1), (3, 16, 1), (2, 8, 7), (4, 4, 1_000)]
+# cascade_budget: 1 and 2 make every pre-split span many calls, with inserts and cancels
+# landing in each of its phases (source, mid, late, stage); 2048 finishes most in one.
+BUDGETS = st.sampled_from([1, 2, 5, 2048])
 
 FIRE_DELAYS = st.one_of(
     st.integers(-1_000, 1_000),  # overdue, due now, or the next ms
@@ -91,12 +94,12 @@ class WheelAgainstModel(RuleBasedStateMachine):
     wheel: TimingWheel[int]
     model: HeapModel
 
-    @initialize(shape=st.sampled_from(SHAPES), start=st.integers(0, 2**41))
-    def create(self, shape: tuple[int, int, int], start: int) -> None:
+    @initialize(shape=st.sampled_from(SHAPES), start=st.integers(0, 2**41), budget=BUDGETS)
+    def create(self, shape: tuple[int, int, int], start: int, budget: int) -> None:
         levels, slots, tick_ms = shape
         self.levels = levels
         self.inserted = 0
-        self.wheel = TimingWheel(levels=levels, slots=slots, tick_ms=tick_ms, start_ms=start)
+        self.wheel = TimingWheel(levels, slots, tick_ms, start, cascade_budget=budget)
         self.model = HeapModel(tick_ms, start)
 
     @rule(timer_id=st.integers(0, 40), delay=FIRE_DELAYS)
@@ -163,6 +166,7 @@ TestWheelAgainstModel = WheelAgainstModel.TestCase
     delays=st.lists(FIRE_DELAYS, min_size=1, max_size=300),
     cancel_every=st.integers(2, 10),
     steps=st.lists(st.integers(1, 60 * DAY), min_size=1, max_size=40),
+    budget=BUDGETS,
 )
 def test_bulk_schedules_fire_like_the_model(
     shape: tuple[int, int, int],
@@ -170,10 +174,11 @@ def test_bulk_schedules_fire_like_the_model(
     delays: list[int],
     cancel_every: int,
     steps: list[int],
+    budget: int,
 ) -> None:
     """Hundreds of timers, some cancelled, then big jumps: identical, ordered, never early."""
     levels, slots, tick_ms = shape
-    wheel: TimingWheel[int] = TimingWheel(levels, slots, tick_ms, start)
+    wheel: TimingWheel[int] = TimingWheel(levels, slots, tick_ms, start, cascade_budget=budget)
     model = HeapModel(tick_ms, start)
     fire = {}
     for i, delay in enumerate(delays):

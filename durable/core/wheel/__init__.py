@@ -25,6 +25,12 @@ timer due at tick ``t > now`` sits at level ``L = (bit_length(t ^ now) - 1) // b
   level whose digit changes: below it everything is due, above it everything stays put.
   The timers of that one slot that are not yet due move to a strictly lower level, exactly
   (never rounded to the coarse slot), so a timer moves down at most ``levels - 1`` times.
+
+Stages, the one exception (issue 16). A timer of level ``L``'s *next* slot (digit
+``now_L + 1``) may instead sit in that level's stage, placed by the same rule relative to
+the slot's first tick, so that entering the slot swaps rings instead of moving timers.
+Timers move into a stage a paced, bounded chunk per ``advance``
+(:mod:`durable.core.wheel.staging`, :mod:`durable.core.wheel.stage`).
 """
 
 from durable.core.wheel.timing_wheel import TimingWheel

@@ -1,8 +1,9 @@
-"""The wheel's storage and the one move that time makes on it: jumping to a later tick.
+"""The wheel's storage and the moves time makes on it: draining, taking and splitting slots.
 
-:class:`Rings` holds the slot maps, the occupancy bitmaps and the overflow, and implements
-``_jump(target)``; :class:`~durable.core.wheel.timing_wheel.TimingWheel` adds the public API.
-The placement invariant this code keeps is stated in the package docstring.
+:class:`Rings` holds the slot maps, the occupancy bitmaps and the overflow;
+:class:`~durable.core.wheel.staging.StagedRings` adds the stages and the jump to a later
+tick, and :class:`~durable.core.wheel.timing_wheel.TimingWheel` the public API. The
+placement invariant this code keeps is stated in the package docstring.
 """
 
 from __future__ import annotations
@@ -84,50 +85,6 @@ class Rings(Generic[K]):
             self._overflow_min = min(self._overflow.values())
         top = self._bits * self._levels
         return self._overflow_min >> top << top
-
-    def _jump(self, target: int, out: list[K]) -> None:
-        """Move to tick ``target``: append every timer due by then to ``out``, in order.
-
-        With ``top`` the highest level at which ``target``'s digit differs from now's: every
-        slot below ``top`` is entirely due; at ``top``, the slots before target's digit are
-        due and target's own slot is split (due part out, the rest moved down, relative to
-        ``target``); everything above ``top`` is already placed right for ``target``. Earlier
-        levels hold earlier timers, so level 0 (one tick per slot) goes out first as is and
-        the rest is sorted once; equal fire times share a slot map and the sort is stable,
-        so ties keep insertion order.
-        """
-        now = self._now
-        top = ((target ^ now).bit_length() - 1) // self._bits
-        if self._bitmaps[0]:
-            self._drain_level0(now, target if top == 0 else now | self._mask, out)
-        self._now = target
-        if top == 0:
-            return
-        due: list[K] = []
-        levels = self._levels
-        if top > 1:
-            for level in range(1, min(top, levels)):
-                if self._bitmaps[level]:
-                    self._take_slots(level, self._mask + 1, due)
-        if top < levels:
-            bitmap = self._bitmaps[top]
-            if bitmap:
-                digit = target >> (top * self._bits) & self._mask
-                if bitmap & ((1 << digit) - 1):  # whole slots before target's: all due
-                    self._take_slots(top, digit, due)
-                    bitmap = self._bitmaps[top]
-                if bitmap >> digit & 1:
-                    self._bitmaps[top] = bitmap ^ self._powers[digit]
-                    self._slot_visits += 1
-                    slot = self._slots[top][digit]
-                    self._cascaded += self._split_slot(slot, top - 1, target, due)
-                    slot.clear()
-        elif self._overflow:
-            self._split_overflow(target, due)
-        if due:
-            if len(due) > 1:
-                due.sort(key=self._pending.__getitem__)
-            out += due
 
     def _drain_level0(self, now: int, last: int, out: list[K]) -> None:
         """Append level 0's timers after tick ``now`` up to ``last`` (same ring), in order."""

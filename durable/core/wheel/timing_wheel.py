@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TypeVar
 
-from durable.core.wheel.rings import Rings, occupied_slots
+from durable.core.wheel.rings import occupied_slots
+from durable.core.wheel.stage import Stage
+from durable.core.wheel.staging import StagedRings
 
 K = TypeVar("K", bound=Hashable)
 
@@ -26,12 +28,13 @@ def _check_setting(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class TimingWheel(Rings[K]):
+class TimingWheel(StagedRings[K]):
     """Hierarchical timing wheel of timer ids, driven by the caller's clock.
 
-    ``TimingWheel(levels=5, slots=256, tick_ms=1, start_ms=0)``: ``slots`` is a power of
-    two, ``start_ms`` (the wheel's initial time) is non-negative. Timer ids are any
-    hashable; times are integer epoch milliseconds.
+    ``TimingWheel(levels=5, slots=256, tick_ms=1, start_ms=0, cascade_budget=2048)``:
+    ``slots`` is a power of two, ``start_ms`` (the wheel's initial time) is non-negative,
+    ``cascade_budget`` bounds the timer moves one ``advance`` spends preparing coarse slots.
+    Timer ids are any hashable; times are integer epoch milliseconds.
 
     Semantics (each one is tested):
 
@@ -54,16 +57,26 @@ class TimingWheel(Rings[K]):
       of their latest ``insert``). The one inherent exception: an overdue insert comes out
       at the start of the next call, after ids that earlier calls returned.
     * **Cost.** ``insert``, ``cancel`` and ``len`` are O(1). ``advance`` works for the ids
-      it returns (sorting the ones that come out of coarse slots), the ids it moves down a
-      level and the occupied slots it crosses; it never walks through empty time, so idle
-      time costs nothing. Each timer moves down at most ``levels - 1`` times, each move
-      exact to the tick. ``cancel`` deletes the entry at once: no tombstone lingers.
+      it returns (sorting the ones that come out of coarse slots) and the occupied slots it
+      crosses; it never walks through empty time, so idle time costs nothing. Timers move
+      down a level ahead of time, at most ``cascade_budget`` steps per call, paced to end
+      before their slot comes (``next_expiry`` asks for the calls this needs), so time
+      entering a coarse slot moves nothing: a runner advancing in small steps never pays
+      for the timers that are not due. A jump that lands inside a slot not yet prepared
+      moves that one slot's timers (at most one slot per level). Each timer moves down at
+      most ``levels - 1`` times, each move exact to the tick. ``cancel`` deletes the entry
+      at once: no tombstone lingers.
     """
 
     __slots__ = ("_overdue", "_time_ms")
 
     def __init__(
-        self, levels: int = 5, slots: int = 256, tick_ms: int = 1, start_ms: int = 0
+        self,
+        levels: int = 5,
+        slots: int = 256,
+        tick_ms: int = 1,
+        start_ms: int = 0,
+        cascade_budget: int = 2048,
     ) -> None:
         _check_setting("levels", levels, 1)
         _check_setting("slots", slots, 2)
@@ -71,7 +84,9 @@ class TimingWheel(Rings[K]):
             raise ValueError(f"slots must be a power of two, got {slots}")
         _check_setting("tick_ms", tick_ms, 1)
         _check_setting("start_ms", start_ms, 0)
-        super().__init__(levels, slots.bit_length() - 1, tick_ms, start_ms // tick_ms)
+        _check_setting("cascade_budget", cascade_budget, 1)
+        bits = slots.bit_length() - 1
+        super().__init__(levels, bits, tick_ms, start_ms // tick_ms, cascade_budget)
         self._time_ms = start_ms
         self._overdue: dict[K, int] = {}  # inserted with its tick passed -> fire_at_ms
 
@@ -118,8 +133,8 @@ class TimingWheel(Rings[K]):
     def pending_per_level(self) -> tuple[int, ...]:
         """Return the number of timers in each level's ring, level 0 first."""
         return tuple(
-            sum(map(len, occupied_slots(ring, bitmap, 0, len(ring))))
-            for ring, bitmap in zip(self._slots, self._bitmaps, strict=True)
+            sum(map(len, occupied_slots(ring, bitmap, 0, len(ring)))) + stage.count()
+            for ring, bitmap, stage in zip(self._slots, self._bitmaps, self._stages, strict=True)
         )
 
     def pending_overflow(self) -> int:
@@ -134,21 +149,33 @@ class TimingWheel(Rings[K]):
         """Return the ms at which the next non-empty slot comes due, or None when empty.
 
         Nothing is due before it, so a runner may sleep until then. It is a lower bound, not
-        always a fire time: a coarse slot comes due when its timers must move down, so a
-        timer can cause up to ``levels - 1`` wake-ups that return no id. With overdue
-        inserts waiting, it is the wheel's time.
+        always a fire time: a coarse slot comes due when time enters it, so a timer can
+        cause up to ``levels - 1`` wake-ups that return no id; and while a coarse slot of
+        more than ``cascade_budget`` timers is being prepared, it is early enough for the
+        calls that spread that work. With overdue inserts waiting, it is the wheel's time.
         """
         if self._overdue:
             return self._time_ms
+        at = self._next_slot_tick()
+        wakeup = self._presplit_wakeup()
+        if wakeup is not None and (at is None or wakeup < at):
+            at = wakeup
+        return None if at is None else at * self._tick
+
+    def _next_slot_tick(self) -> int | None:
+        """The first tick of the earliest non-empty slot or stage, or None when empty."""
         bits = self._bits
         for level, bitmap in enumerate(self._bitmaps):
+            stage = self._stages[level]
+            if stage.digit >= 0 and stage.has_timers():  # before any slot of its level
+                return stage.base
             if bitmap:
                 shift = level * bits
                 digit = (bitmap & -bitmap).bit_length() - 1
                 base = self._now >> (shift + bits) << (shift + bits)
-                return (base | digit << shift) * self._tick
+                return base | digit << shift
         if self._overflow:
-            return self._overflow_block_start() * self._tick
+            return self._overflow_block_start()
         return None
 
     def insert(self, timer_id: K, fire_at_ms: int) -> K:
@@ -171,9 +198,24 @@ class TimingWheel(Rings[K]):
                 level = self._level_of[n]
                 digit = t >> (level * self._bits) & self._mask
                 slot = self._slots[level][digit]
-                if not slot:
-                    self._bitmaps[level] |= self._powers[digit]
-                slot[timer_id] = t
+                if digit != self._next[level]:
+                    if not slot:
+                        self._bitmaps[level] |= self._powers[digit]
+                    slot[timer_id] = t
+                else:  # level's next slot: its stage, unless a move is under way (order)
+                    stage = self._stages[level]
+                    if stage.mid or stage.late:  # (a chunk is planned: mid has work)
+                        stage.late[timer_id] = t
+                    elif slot:
+                        slot[timer_id] = t
+                    else:  # _stage_place inlined: half the inserts of a busy runner
+                        rings = stage.rings or stage.allocate(self._mask + 1)
+                        level = self._level_of[(t ^ stage.base).bit_length()]
+                        digit = t >> (level * self._bits) & self._mask
+                        slot = rings[level][digit]
+                        if not slot:
+                            stage.bitmaps[level] |= self._powers[digit]
+                        slot[timer_id] = t
             else:
                 self._to_overflow(timer_id, t)
         pending[timer_id] = fire_at_ms
@@ -201,6 +243,9 @@ class TimingWheel(Rings[K]):
         level = self._level_of[n]
         digit = t >> (level * self._bits) & self._mask
         slot = self._slots[level][digit]
+        if digit == self._next[level] and handle not in slot:
+            self._cancel_staged(self._stages[level], handle, t)
+            return True
         del slot[handle]
         if not slot:
             slot.clear()  # a dict keeps its table after del; clear() releases it
@@ -220,10 +265,30 @@ class TimingWheel(Rings[K]):
             target = now_ms if self._tick == 1 else now_ms // self._tick
             if target > self._now:
                 self._jump(target, out)
+                if target >= self._chunk_at:
+                    self._presplit_paced()
         pending = self._pending
         for timer_id in out:
             del pending[timer_id]
         return out
+
+    def _cancel_staged(self, stage: Stage[K], handle: K, t: int) -> None:
+        """Delete a timer of a prepared slot: in ``mid``, ``late`` or the stage's rings."""
+        mid, late = stage.mid, stage.late
+        if mid and handle in mid:
+            del mid[handle]
+            return
+        if late and handle in late:
+            del late[handle]
+            return
+        assert stage.rings is not None
+        level = self._level_of[(t ^ stage.base).bit_length()]
+        digit = t >> (level * self._bits) & self._mask
+        slot = stage.rings[level][digit]
+        del slot[handle]
+        if not slot:
+            slot.clear()
+            stage.bitmaps[level] ^= self._powers[digit]
 
     def _take_overdue(self) -> list[K]:
         """Return the overdue inserts by fire time; the sort is stable, so ties keep order."""
