@@ -19,6 +19,7 @@ worker's log attached; tests never sleep for fixed long times.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -31,7 +32,14 @@ from types import TracebackType
 from typing import IO, Any
 from urllib.parse import quote
 
-__all__ = ["LOG_TAIL_LINES", "Worker", "WorkerPool", "app_name", "database_url"]
+__all__ = [
+    "LOG_TAIL_LINES",
+    "Worker",
+    "WorkerPool",
+    "app_name",
+    "database_url",
+    "raft_unavailable_reason",
+]
 
 #: Lines of each worker's log that :meth:`WorkerPool.logs` shows in a failure message.
 LOG_TAIL_LINES = 60
@@ -56,6 +64,26 @@ def database_url(settings_dict: dict[str, Any]) -> str:
         port = settings_dict.get("PORT") or 5432
         return f"postgres://{auth}{host}:{port}/{quote(name, safe='')}"
     raise ValueError(f"no DATABASE_URL form for {engine}")
+
+
+def raft_unavailable_reason() -> str | None:
+    """Why workers of this checkout cannot run with ``DURABLE["RAFT"]`` (None: they can).
+
+    A sentence naming what is missing, for ``pytest.skip`` and the benchmark's output.
+    """
+    package = Path(__file__).resolve().parents[1]
+    if importlib.util.find_spec("durable.raft") is None:
+        return "durable.raft is not in this checkout (the Raft layer is not merged)"
+    for module in ("pysyncobj", "cryptography"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install 'django-durable[raft]')"
+    command = (package / "management" / "commands" / "run_timer_shards.py").read_text()
+    if "--raft-self" not in command:
+        return "run_timer_shards has no --raft-self option yet"
+    worker = " ".join(p.read_text() for p in (package / "worker").glob("*.py"))
+    if "raft" not in worker.lower():
+        return "the worker does not use durable.raft yet (leases ignore Raft leadership)"
+    return None
 
 
 @dataclass

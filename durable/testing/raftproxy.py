@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["Link", "ProxiedNode", "RaftProxy", "free_port_base"]
+__all__ = ["Link", "ProxiedNode", "RaftProxy", "free_port_base", "loopback_nodes"]
 
 T = TypeVar("T")
 CHUNK = 65536
@@ -89,8 +89,12 @@ class Link:
             writer.transport.abort()
 
 
-def free_port_base(host: str, count: int, *, low: int = 20_000, high: int = 60_000) -> int:
-    """A port ``p`` such that ``p .. p + count - 1`` can all be bound on ``host`` now."""
+def free_port_base(host: str, count: int, *, low: int = 20_000, high: int = 32_000) -> int:
+    """A port ``p`` such that ``p .. p + count - 1`` can all be bound on ``host`` now.
+
+    The default range stays below Linux's ephemeral ports (32768 up), so an outgoing
+    connection cannot take one of them between this call and the listener's bind.
+    """
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high - count)
@@ -107,6 +111,27 @@ def free_port_base(host: str, count: int, *, low: int = 20_000, high: int = 60_0
             for sock in held:
                 sock.close()
     raise RuntimeError(f"no {count} consecutive free ports on {host} between {low} and {high}")
+
+
+def loopback_nodes(count: int, ports: int, prefix: str = "n") -> list[ProxiedNode]:
+    """``count`` nodes named ``n1..``: node i binds ``127.0.0.(10+i)``, advertised on 127.0.0.1.
+
+    Every range is free when this returns (``ports`` ports each), on free ports.
+    """
+    listen_base = free_port_base("127.0.0.1", count * ports)
+    nodes = []
+    for i in range(1, count + 1):
+        host = f"127.0.0.{10 + i}"
+        nodes.append(
+            ProxiedNode(
+                f"{prefix}{i}",
+                "127.0.0.1",
+                listen_base + (i - 1) * ports,
+                host,
+                free_port_base(host, ports),
+            )
+        )
+    return nodes
 
 
 class RaftProxy:

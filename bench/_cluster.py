@@ -1,0 +1,138 @@
+"""Three real workers on the benchmark database, leases only or Raft on (``bench/failover.py``).
+
+Built on :class:`durable.testing.nodes.WorkerPool`. With Raft on, node i listens on (and
+connects from) ``127.0.0.(10+i)``, base port 7100 (shard s on 7100 + s), with the settings
+of ``tests.acceptance.raft_settings`` (Raft's default tuning unless ``--raft-*`` is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench._common import REPO, connect
+from durable.testing.nodes import WorkerPool
+
+NODES = ("f1", "f2", "f3")
+RAFT_BASE_PORT = 7100
+#: Only ever a benchmark's throwaway cluster on loopback.
+RAFT_PASSWORD = "bench-failover-password"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One column of the comparison."""
+
+    key: str
+    label: str
+    ttl_s: float
+    raft: bool
+    #: Extra settings (environment of the test project's settings) every node runs with.
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def node_env(mode: Mode) -> tuple[str, dict[str, str]]:
+    """The settings module and environment every node of ``mode`` shares."""
+    env = {
+        "DJANGO_DEBUG": "false",  # DEBUG keeps every query in memory
+        "DURABLE_LEASE_TTL_S": str(mode.ttl_s),
+        "DURABLE_IMPORTS": "bench.peers.durable_side,tests.acceptance.workflows",
+        **mode.env,
+    }
+    if not mode.raft:
+        return "testproject.settings", env
+    peers = ",".join(raft_address(name) for name in NODES)
+    env |= {"DURABLE_RAFT_PEERS": peers, "DURABLE_RAFT_PASSWORD": RAFT_PASSWORD}
+    return "tests.acceptance.raft_settings", env
+
+
+def raft_address(name: str) -> str:
+    """Node ``name``'s Raft base address: its own loopback IP, so links can be told apart."""
+    return f"127.0.0.{10 + NODES.index(name) + 1}:{RAFT_BASE_PORT}"
+
+
+@contextlib.contextmanager
+def cluster(url: str, mode: Mode, log_dir: Path) -> Iterator[WorkerPool]:
+    """Three started workers of ``mode``; every one stopped at the end, whatever happens."""
+    settings_module, env = node_env(mode)
+    pool = WorkerPool(
+        database_url=url, log_dir=log_dir, cwd=REPO, settings_module=settings_module, env=env
+    )
+    try:
+        for name in NODES:
+            args = ("--raft-self", raft_address(name)) if mode.raft else ()
+            pool.start(name, *args)
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def owners(url: str) -> dict[str, dict[int, int]]:
+    """Live owner → {shard: token} of every unexpired lease."""
+    with connect(url) as conn:
+        rows = conn.execute(
+            "SELECT owner, shard, token FROM durable_shardlease"
+            " WHERE owner <> '' AND expires_at > now()"
+        ).fetchall()
+    held: dict[str, dict[int, int]] = {}
+    for owner, shard, token in rows:
+        held.setdefault(owner, {})[shard] = token
+    return held
+
+
+def loaded_shards(pool: WorkerPool) -> int:
+    """``shard.loaded`` events logged by the running workers (each shard's first load)."""
+    return sum(len(w.events("shard.loaded")) for w in pool.workers.values() if w.alive)
+
+
+def wait_spread(url: str, pool: WorkerPool, shards: int, timeout_s: float = 300) -> float:
+    """Wait until the three nodes hold every shard between them and loaded them."""
+
+    def ready() -> bool:
+        held = owners(url)
+        return (
+            sum(map(len, held.values())) == shards
+            and set(held) == set(NODES)
+            and loaded_shards(pool) >= shards
+        )
+
+    return pool.wait_until(
+        ready, timeout_s=timeout_s, what="3 nodes holding and loading all", require_alive=NODES
+    )
+
+
+def rss_mb(pool: WorkerPool) -> dict[str, float]:
+    """Resident memory of each running node, MB (``VmRSS`` of ``/proc``: Linux only)."""
+    out = {}
+    for name, w in pool.workers.items():
+        if w.alive:
+            status = Path(f"/proc/{w.pid}/status").read_text()
+            out[name] = int(status.split("VmRSS:")[1].split()[0]) / 1024
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (fields 14 and 15 of ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_percent(pool: WorkerPool, seconds: float) -> dict[str, float]:
+    """Each node's CPU use over ``seconds`` (100 = one core)."""
+    pids = {name: w.pid for name, w in pool.workers.items() if w.alive}
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    started = time.monotonic()
+    time.sleep(seconds)
+    took = time.monotonic() - started
+    return {name: 100 * (_cpu_s(pid) - before[name]) / took for name, pid in pids.items()}
+
+
+def raft_events(pool: WorkerPool, pattern: str) -> int:
+    """Log lines of every node matching ``pattern`` (e.g. leadership changes)."""
+    rx = re.compile(pattern)
+    return sum(1 for w in pool.workers.values() for line in w.log().splitlines() if rx.search(line))
