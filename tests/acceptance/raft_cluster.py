@@ -1,0 +1,90 @@
+"""Three Raft nodes on loopback for acceptance tests, optionally behind the partition proxy.
+
+Node i listens on (and connects from) ``127.0.0.(10+i)``. Behind the proxy
+(:mod:`durable.testing.raftproxy`) it advertises a proxy address (``--raft-self``) and
+binds its own (``--raft-bind``), so a test can cut its Raft links while its database
+connections stay up. Every node runs durable's default settings plus ``DURABLE["RAFT"]``
+(``tests.acceptance.raft_settings``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from durable.models import ShardLease
+from durable.testing.nodes import Worker, raft_unavailable_reason
+from durable.testing.raftproxy import ProxiedNode, RaftProxy, loopback_nodes
+from tests.acceptance.helpers import WorkerPool, database_url
+
+PASSWORD = "acceptance-raft-password"  # a throwaway cluster on loopback only
+
+
+def skip_without_raft() -> None:
+    """Skip the test, naming what is missing, when the worker cannot run Raft here."""
+    if connection.vendor != "postgresql":
+        pytest.skip("Raft acceptance tests run on PostgreSQL")
+    reason = raft_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"Raft not runnable in this checkout: {reason}")
+
+
+@contextmanager
+def raft_cluster(
+    log_dir: Path, shards: int, *, proxied: bool
+) -> Iterator[tuple[WorkerPool, list[ProxiedNode], RaftProxy | None]]:
+    """Three started nodes ``n1..n3`` (and the running proxy when ``proxied``)."""
+    nodes = loopback_nodes(3, shards)
+    advertised = [node.advertised if proxied else node.bind for node in nodes]
+    pool = WorkerPool(
+        database_url=database_url(connection.settings_dict),
+        log_dir=log_dir,
+        defaults=True,
+        settings_module="tests.acceptance.raft_settings",
+        env={"DURABLE_RAFT_PEERS": ",".join(advertised), "DURABLE_RAFT_PASSWORD": PASSWORD},
+    )
+    proxy = RaftProxy(nodes, ports=shards).start() if proxied else None
+    try:
+        for node, address in zip(nodes, advertised, strict=True):
+            args = ["--raft-self", address]
+            if proxied:
+                args += ["--raft-bind", node.bind]
+            pool.start(node.name, *args)
+        yield pool, nodes, proxy
+    finally:
+        try:
+            pool.stop_all()
+        finally:
+            if proxy is not None:
+                proxy.close()
+
+
+def held() -> dict[str, dict[int, int]]:
+    """Owner → {shard: token} of every lease row with an owner."""
+    out: dict[str, dict[int, int]] = {}
+    for shard, owner, token in ShardLease.objects.exclude(owner="").values_list(
+        "shard", "owner", "token"
+    ):
+        out.setdefault(owner, {})[shard] = token
+    return out
+
+
+def spread_over(names: list[str], shards: int) -> bool:
+    """True when every shard has an owner and every node in ``names`` holds some."""
+    owners = held()
+    return sum(map(len, owners.values())) == shards and set(names) <= set(owners)
+
+
+def takeover_times_ms(worker: Worker) -> dict[tuple[int, int], int]:
+    """``(shard, token)`` → epoch ms of each ``lease.takeover`` in ``worker``'s log."""
+    out = {}
+    for line in worker.events("lease.takeover"):
+        stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")  # local time, as logged
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        out[(int(fields["shard"]), int(fields["token"]))] = int(stamp.timestamp() * 1000)
+    return out
