@@ -90,19 +90,32 @@ def loaded_shards(pool: WorkerPool) -> int:
     return sum(len(w.events("shard.loaded")) for w in pool.workers.values() if w.alive)
 
 
-def wait_spread(url: str, pool: WorkerPool, shards: int, timeout_s: float = 300) -> float:
-    """Wait until the three nodes hold every shard between them and loaded them."""
+def wait_spread(url: str, pool: WorkerPool, shards: int, timeout_s: float = 180) -> float:
+    """Wait until the three nodes hold every shard between them, loaded, for 2 s running.
+
+    "For 2 s running": the same owners and tokens, so a cluster whose leases keep lapsing
+    (a TTL shorter than a node's load of its shards) is not taken for a settled one.
+    """
+    last: list[object] = [None, 0.0]
 
     def ready() -> bool:
         held = owners(url)
-        return (
+        settled = (
             sum(map(len, held.values())) == shards
             and set(held) == set(NODES)
             and loaded_shards(pool) >= shards
         )
+        if not settled or held != last[0]:
+            last[:] = [held if settled else None, time.monotonic()]
+            return False
+        return time.monotonic() - float(last[1]) >= 2.0  # type: ignore[arg-type]
 
     return pool.wait_until(
-        ready, timeout_s=timeout_s, what="3 nodes holding and loading all", require_alive=NODES
+        ready,
+        timeout_s=timeout_s,
+        what="3 nodes holding and loading every shard, unchanged for 2 s",
+        require_alive=NODES,
+        interval_s=0.2,
     )
 
 

@@ -307,7 +307,11 @@ def main() -> None:
                 result: dict[str, Any] = {"mode": mode.label, "skipped": reason}
             else:
                 log_dir = Path(tempfile.mkdtemp(prefix=f"failover-{measure}-{mode.key}-"))
-                result = globals()[measure](mode, args, log_dir)
+                try:
+                    result = globals()[measure](mode, args, log_dir)
+                except (AssertionError, RuntimeError) as exc:  # report it, run the rest
+                    first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                    result = {"mode": mode.label, "failed": first_line, "load": load()}
                 result["logs"] = str(log_dir)
             line = f"{measure}: " + ", ".join(f"{k}={v}" for k, v in result.items())
             print(line, flush=True)
