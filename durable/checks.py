@@ -285,3 +285,47 @@ def check_listen_database(app_configs: Any = None, **kwargs: Any) -> list[checks
             )
         )
     return messages
+
+
+# durable.E020 RAFT not a dict or unknown key, E021 a tuning key out of range, E022 no
+# PASSWORD, E023 a malformed address, E024 base port + SHARDS - 1 above 65535, E025 SELF
+# among PEERS, E026 RAFT on with SQLite, E027 pysyncobj or cryptography missing.
+@checks.register(TAG)
+def check_raft(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check ``DURABLE["RAFT"]`` (docs: settings reference, "Raft")."""
+    import importlib.util
+
+    from django.core.exceptions import ImproperlyConfigured
+
+    from durable.conf import get_settings
+    from durable.raft.config import problems
+
+    try:
+        conf = get_settings()
+    except ImproperlyConfigured:
+        return []  # reported by check_settings
+    if conf.RAFT is None:
+        return []
+    messages: list[checks.CheckMessage] = [
+        checks.Error(message, id=check_id) for check_id, message in problems(conf.RAFT, conf.SHARDS)
+    ]
+    if settings.DATABASES[conf.DATABASE].get("ENGINE", "").endswith("sqlite3"):
+        messages.append(
+            checks.Error(
+                f"DURABLE['RAFT'] is set but DATABASES[{conf.DATABASE!r}] is SQLite",
+                hint="Raft hands shards between worker nodes that share one database server; "
+                "a SQLite file is not shared between hosts, and SQLite has no row locks "
+                "for the fence to wait on. Set RAFT to None, or use PostgreSQL.",
+                id="durable.E026",
+            )
+        )
+    missing = [m for m in ("pysyncobj", "cryptography") if importlib.util.find_spec(m) is None]
+    if missing:
+        messages.append(
+            checks.Error(
+                f"DURABLE['RAFT'] is set but {' and '.join(missing)} cannot be imported",
+                hint="pip install 'django-durable[raft]'",
+                id="durable.E027",
+            )
+        )
+    return messages

@@ -129,6 +129,10 @@ class DurableSettings:
     """Modules the worker imports at start-up, besides every installed app's ``handlers``,
     ``workflows``, ``crons`` and ``tasks``: where handlers, workflows, schedules and tasks
     kept elsewhere are registered (``["myapp.services"]``)."""
+    RAFT: dict[str, Any] | None = None
+    """Raft beside the leases (``durable.raft``): ``{"SELF": "host:port", "PEERS": [...],
+    "PASSWORD": "..."}`` plus optional keys (docs/reference/settings.md). None: off, the
+    leases alone decide who owns a shard."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DurableSettings:
@@ -207,6 +211,11 @@ RULES: dict[str, Rule] = {
             lambda v: isinstance(v, list | tuple) and all(isinstance(m, str) and m for m in v),
             "a list of module paths (non-empty strings)",
         )
+    ),
+    # Its keys are checked by durable.checks.check_raft (E020-E026, W005).
+    "RAFT": Rule(
+        Predicate(lambda v: v is None or isinstance(v, dict), "None (off) or a dict"),
+        id="durable.E020",
     ),
 }
 """Key → rule. Every field of :class:`DurableSettings` must have one (a test says so)."""

@@ -64,6 +64,25 @@ class WorkerMetrics:
         self.step_duration = Histogram(
             "durable_workflow_step_seconds", "Duration of workflow steps", ["kind"], registry=r
         )
+        # Raft on (DURABLE["RAFT"]): this node's view of each shard's group.
+        self.raft_role = Gauge(
+            "durable_raft_leader",
+            "1 when this node is the shard's Raft leader, else 0",
+            ["shard"],
+            registry=r,
+        )
+        self.raft_term = Gauge("durable_raft_term", "Raft term per shard", ["shard"], registry=r)
+        self.raft_lag = Gauge(
+            "durable_raft_replication_lag_seconds",
+            "Time from the owner queueing a batch to this node applying it (last batch)",
+            ["shard"],
+            registry=r,
+        )
+        self.raft_leader_changes = Counter(
+            "durable_raft_leadership_changes",
+            "Leaderships this node saw change (all shards)",
+            registry=r,
+        )
 
     def on_batch(self, shard: int, fired: int, lateness_ms: Iterable[int], errors: int) -> None:
         """Record one fired batch."""
@@ -92,6 +111,18 @@ class WorkerMetrics:
     def on_rebuild(self, seconds: float) -> None:
         """Record how long loading a shard took."""
         self.rebuild.observe(seconds)
+
+    def set_raft(self, view: dict[int, dict[str, Any]], changes: int) -> None:
+        """Set the Raft gauges from :meth:`durable.raft.groups.GroupSet.status`; ``changes``
+        is the sidecar's running count of leadership changes."""
+        for shard, row in view.items():
+            label = str(shard)
+            self.raft_role.labels(label).set(1 if row["role"] == "leader" else 0)
+            self.raft_term.labels(label).set(row["term"])
+            self.raft_lag.labels(label).set(row["lag_ms"] / 1000)
+        seen = self.raft_leader_changes._value.get()
+        if changes > seen:
+            self.raft_leader_changes.inc(changes - seen)
 
     def set_wheel_depths(self, depths: dict[int, tuple[int, ...]]) -> None:
         """Set the wheel gauges from ``{shard: pending per level}``."""

@@ -122,6 +122,9 @@ class ShardLease(models.Model):
         default=0, help_text="everything due up to this instant has been fired"
     )
     updated_at = models.DateTimeField(auto_now=True)
+    raft_term = models.BigIntegerField(
+        default=0, help_text="Raft term of the leader that took it (0: taken by lease rules)"
+    )
 
     def __str__(self) -> str:
         return f"shard {self.shard} → {self.owner or '(free)'} #{self.token}"
@@ -137,6 +140,9 @@ class WorkerNode(models.Model):
     heartbeat_at = models.DateTimeField(db_index=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
     shards = models.JSONField(default=list, blank=True, help_text="shards held")
+    raft = models.JSONField(
+        default=dict, blank=True, help_text="per shard: Raft role, term, leader (Raft on)"
+    )
 
     def __str__(self) -> str:
         return self.name

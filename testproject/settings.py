@@ -9,6 +9,7 @@ the SQLite demo, the test suites and the docker-compose cluster:
   LISTEN (alias ``"listen"``, ``DURABLE["LISTEN_DATABASE"]``); preparing stays off.
 - ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
   ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
+- ``DURABLE_RAFT``: ``DURABLE["RAFT"]`` as JSON (unset: Raft off).
 - ``DURABLE_IMPORTS``: comma-separated modules the worker imports at start-up (handlers
   outside the apps' conventional modules).
 - ``DJANGO_SECRET_KEY``, ``DJANGO_DEBUG``, ``DJANGO_ALLOWED_HOSTS``.
@@ -16,6 +17,7 @@ the SQLite demo, the test suites and the docker-compose cluster:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import environ
@@ -119,6 +121,8 @@ DURABLE = {
         "testproject.demo.chaos",
         *env.list("DURABLE_IMPORTS", default=[]),
     ],
+    # Raft beside the leases (the Raft acceptance tests set it; off otherwise).
+    "RAFT": json.loads(env.str("DURABLE_RAFT", default="null")),
 }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -34,6 +34,7 @@ class LeaseRow:
     token: int
     expires_at: datetime | None
     cursor_ms: int
+    raft_term: int = 0
 
     def is_free(self, now: datetime) -> bool:
         """True when nobody holds it: no owner, or the owner let it expire."""
@@ -50,7 +51,7 @@ def ensure_shards(db: str, shards: int) -> None:
 def snapshot(db: str) -> list[LeaseRow]:
     """Return every lease row, by shard."""
     rows = ShardLease.objects.using(db).order_by("shard")
-    fields = ("shard", "owner", "token", "expires_at", "cursor_ms")
+    fields = ("shard", "owner", "token", "expires_at", "cursor_ms", "raft_term")
     return [LeaseRow(*values) for values in rows.values_list(*fields)]
 
 
@@ -68,13 +69,55 @@ def acquire(db: str, shard: int, owner: str, now_ms: int, ttl_s: float) -> int |
         candidate = leases.select_for_update(skip_locked=True).filter(free, shard=shard)
         if not candidate.exists():
             return None
+        # raft_term 0: taken by the lease rules, so any Raft leader may take it at once.
         taken = leases.filter(free, shard=shard).update(
-            owner=owner, token=F("token") + 1, expires_at=now + timedelta(seconds=ttl_s)
+            owner=owner,
+            token=F("token") + 1,
+            expires_at=now + timedelta(seconds=ttl_s),
+            raft_term=0,
         )
         if not taken:
             return None
         token: int = leases.values_list("token", flat=True).get(shard=shard)
     return token
+
+
+def acquire_as_leader(
+    db: str, terms: Mapping[int, int], owner: str, now_ms: int, ttl_s: float
+) -> dict[int, int]:
+    """Take the shards in ``terms`` (shard → this node's Raft term) as their Raft leader;
+    return the new token of each shard taken.
+
+    One conditional UPDATE for all of them: a row is taken when its lease is free or
+    expired (as :func:`acquire`) or when it records an older Raft term than ours, so a
+    newly elected leader takes the shard at once, without waiting for the old owner's
+    lease to run out. The token goes up (the old owner's next fenced statement fails) and
+    the term is stored. Rows locked by a firing transaction are skipped (SKIP LOCKED, as
+    in :func:`acquire`): taken on a later turn.
+    """
+    if not terms:
+        return {}
+    conn = connections[db]
+    shards = sorted(terms)
+    marks = ", ".join(["%s"] * len(shards))
+    term_of = "CASE shard " + "WHEN %s THEN %s " * len(shards) + "END"
+    term_params = [v for s in shards for v in (s, terms[s])]
+    now = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms))
+    expires = conn.ops.adapt_datetimefield_value(ms_to_dt(now_ms) + timedelta(seconds=ttl_s))
+    takeable = (
+        f"shard IN ({marks}) AND (owner = '' OR expires_at IS NULL OR expires_at <= %s "
+        f"OR raft_term < {term_of})"
+    )
+    skip = " FOR UPDATE SKIP LOCKED" if conn.features.has_select_for_update_skip_locked else ""
+    with transaction.atomic(using=db), conn.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE durable_shardlease SET owner = %s, token = token + 1, expires_at = %s, "
+            f"raft_term = {term_of}, updated_at = %s WHERE shard IN ("
+            f"SELECT shard FROM durable_shardlease WHERE {takeable}{skip}) "
+            "RETURNING shard, token",
+            [owner, expires, *term_params, now, *shards, now, *term_params],
+        )
+        return {shard: token for shard, token in cursor.fetchall()}
 
 
 def renew(
@@ -186,16 +229,30 @@ def register_node(db: str, name: str, host: str, pid: int, now_ms: int) -> None:
     )
 
 
-def heartbeat(db: str, name: str, shards: Iterable[int], now_ms: int) -> None:
-    """Record that this worker is alive and which shards it holds."""
-    WorkerNode.objects.using(db).filter(name=name).update(
-        heartbeat_at=ms_to_dt(now_ms), shards=sorted(shards), stopped_at=None
-    )
+def heartbeat(
+    db: str,
+    name: str,
+    shards: Iterable[int],
+    now_ms: int,
+    raft: Mapping[int, Mapping[str, object]] | None = None,
+) -> None:
+    """Record that this worker is alive, which shards it holds and (Raft on) its view
+    of each shard's group: role, term, leader (JSON keys are shard numbers as strings)."""
+    fields: dict[str, object] = {
+        "heartbeat_at": ms_to_dt(now_ms),
+        "shards": sorted(shards),
+        "stopped_at": None,
+    }
+    if raft is not None:
+        fields["raft"] = {str(shard): dict(view) for shard, view in raft.items()}
+    WorkerNode.objects.using(db).filter(name=name).update(**fields)
 
 
 def mark_stopped(db: str, name: str, now_ms: int) -> None:
     """Record a clean stop, so other workers stop counting this one at once."""
-    WorkerNode.objects.using(db).filter(name=name).update(stopped_at=ms_to_dt(now_ms), shards=[])
+    WorkerNode.objects.using(db).filter(name=name).update(
+        stopped_at=ms_to_dt(now_ms), shards=[], raft={}
+    )
 
 
 def live_node_names(db: str, now_ms: int, ttl_s: float) -> set[str]:

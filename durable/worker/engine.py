@@ -42,7 +42,7 @@ from durable.metrics import WorkerMetrics
 from durable.scheduling.cron import sync_declared
 from durable.storage import leases as lease_store
 from durable.storage import statements
-from durable.worker import housekeeping
+from durable.worker import housekeeping, raftlink
 from durable.worker.batches import BatchOutcome, pack
 from durable.worker.chores import Chores
 from durable.worker.firer import Firer
@@ -50,12 +50,14 @@ from durable.worker.leasing import LeaseKeeper
 from durable.worker.listener import Listener, sort_notices
 from durable.worker.logs import event
 from durable.worker.outcomes import Readd
+from durable.worker.ownership import Ownership
 from durable.worker.pool import HandlerPool
-from durable.worker.runner import ShardRunner, load_acquired
+from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
 MAX_SLEEP_S = 1.0
+RAFT_WAKE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -68,7 +70,7 @@ class Stats:
     keep_lateness: bool = False
 
 
-class Engine:
+class Engine(Ownership):
     """Owns shard leases and fires their timers; see the module docstring."""
 
     def __init__(
@@ -81,6 +83,8 @@ class Engine:
         threads: int = 4,
         registry: HandlerRegistry = handlers,
         metrics: WorkerMetrics | None = None,
+        raft_self: str | None = None,
+        raft_bind: str | None = None,
     ) -> None:
         self.conf = conf or get_settings()
         self.db = self.conf.DATABASE
@@ -107,6 +111,9 @@ class Engine:
             scope=scope if scope is not None else range(self.conf.SHARDS),
             ttl_s=self.conf.LEASE_TTL_S,
         )
+        # Raft beside the leases (None: off): see durable.worker.leasing and raftlink.
+        self.raft = raftlink.build(self.conf, self.clock, self.keeper.scope, raft_self, raft_bind)
+        self.keeper.raft = self.raft
         # Behind a transaction-mode pooler, LISTEN needs a direct session (LISTEN_DATABASE).
         self.listener = Listener(self.conf.LISTEN_DATABASE or self.db, self.stop_event)
         # DISPATCH = "kombu" on memory:// reaches no other process: execute in this one.
@@ -156,6 +163,8 @@ class Engine:
         report = sync_declared(self.db, now)
         event(log, logging.INFO, "schedules.synced", node=self.node, report=str(report))
         self._loop_thread = threading.get_ident()
+        if self.raft is not None:
+            self.raft.start()
         connection_created.connect(self._guard_connection)
         if connections[self.db].connection is not None:
             self._guard_connection(sender=None, connection=connections[self.db])
@@ -221,6 +230,8 @@ class Engine:
         except DatabaseError as exc:
             event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
         self.listener.close()
+        if self.raft is not None:
+            self.raft.stop()
         connection_created.disconnect(self._guard_connection)
         housekeeping.unguard_session(connections[self.db])
         event(log, logging.INFO, "worker.stopped", node=self.node)
@@ -236,7 +247,7 @@ class Engine:
             runner = self.runners.get(shard)
             if runner is not None:
                 runner.add(timer_id, fire_at)
-        if now >= self._next_rebalance_ms:
+        if now >= self._next_rebalance_ms or self.keeper.raft_pending(self.runners):
             self._maintain_leases(now)
         self.chores.before_firing(now)
         for runner in list(self.runners.values()):
@@ -248,8 +259,14 @@ class Engine:
         for runner in list(self.runners.values()):
             if now >= runner.next_rescan_ms:
                 found += runner.rescan(now)
+        # Warm takeovers (Raft): the standby's overdue timers fired above; now the rows.
+        for runner in [r for r in self.runners.values() if r.rebuild_pending]:
+            runner.rebuild_pending = False
+            found += runner.rebuild(now)
         if found:
             fired += self._fire_due()
+        if self.raft is not None:
+            raftlink.flush(self.raft, self.node, self.runners, now)
         self.chores.after_firing(now)
         return fired
 
@@ -286,52 +303,6 @@ class Engine:
         if self.stats.keep_lateness:
             self.stats.lateness_ms.extend(outcome.lateness_ms)
 
-    def _drop(self, shard: int, reason: str) -> None:
-        runner = self.runners.pop(shard, None)
-        if runner is not None:
-            event(
-                log,
-                logging.WARNING,
-                "lease.lost",
-                shard=shard,
-                token=runner.token,
-                node=self.node,
-                reason=reason,
-            )
-            self.metrics.on_lease("lost", len(self.runners))
-
-    def _renew_if_due(self) -> None:
-        """Heartbeat and renew (no rebalancing) when a renewal is due mid-turn."""
-        now = self.clock.now_ms()
-        if now < self._next_renew_ms:
-            return
-        self._next_renew_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
-        held = {s: r.token for s, r in self.runners.items()}
-        lease_store.heartbeat(self.db, self.node, held, now)
-        cursors = {s: r.cursor_ms for s, r in self.runners.items()}
-        for shard in self.keeper.renew(held, cursors, now):
-            self._drop(shard, reason="renewal found it taken over")
-
-    def _maintain_leases(self, now: int) -> None:
-        self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
-        self._next_renew_ms = 0
-        self._renew_if_due()
-        rows = lease_store.snapshot(self.db)
-        foreign_expiry = self.keeper.next_foreign_expiry_ms(rows, now)
-        if foreign_expiry is not None:  # a peer that stops renewing is replaced at once
-            self._next_rebalance_ms = min(self._next_rebalance_ms, foreign_expiry + 50)
-        if not self.firer.in_flight:  # never hand over a shard with an external fire running
-            for shard in self.keeper.to_release(self.runners, now, rows):
-                runner = self.runners.pop(shard)
-                self.keeper.release(shard, runner.token, runner.cursor_ms)
-                self.metrics.on_lease("released", len(self.runners))
-        for got in self.keeper.acquire_up_to_share(self.runners, now, rows):
-            runner = load_acquired(self.db, self.conf, got, now)
-            self.runners[got.shard] = runner
-            self.metrics.on_rebuild(runner.rebuild_s)
-            taken_over = bool(got.previous_owner) and got.previous_owner != self.node
-            self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
-
     def _sleep(self) -> None:
         now = self.clock.now_ms()
         wake = [self._next_rebalance_ms]
@@ -340,7 +311,9 @@ class Engine:
             nxt = runner.next_wakeup_ms()
             if nxt is not None:
                 wake.append(nxt)
-        timeout = min(MAX_SLEEP_S, max(0.0, (min(wake) - now) / 1000))
+        # Raft: wake often enough to act on a leadership change within RAFT_WAKE_S.
+        top = MAX_SLEEP_S if self.raft is None else RAFT_WAKE_S
+        timeout = min(top, max(0.0, (min(wake) - now) / 1000))
         external = self.firer.external
         if not self.inbox.empty() or (external.parked and external.free):
             timeout = 0.0

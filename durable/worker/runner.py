@@ -38,6 +38,10 @@ class ShardRunner:
         self.cursor_ms = 0
         self.next_rescan_ms = 0
         self.rebuild_s = 0.0  # how long loading the shard took (metrics)
+        # Raft on: what entered (id -> fire_at) and left (id -> None) the wheel since the
+        # last replicated batch; the last change of an id wins. None: Raft off.
+        self.journal: dict[int, int | None] | None = None
+        self.rebuild_pending = False  # warm takeover: standby timers first, rows next
 
     def __repr__(self) -> str:
         return f"ShardRunner(shard={self.shard}, token={self.token}, pending={len(self.wheel)})"
@@ -49,6 +53,8 @@ class ShardRunner:
         if bucket_of(fire_at_ms, self.conf.BUCKET_SHIFT) > self.loaded_upto_bucket:
             return False  # the loader will read it when its bucket enters the horizon
         self.wheel.insert(timer_id, fire_at_ms)
+        if self.journal is not None:
+            self.journal[timer_id] = fire_at_ms
         return True
 
     def add_many(self, rows: Iterable[tuple[int, int]]) -> int:
@@ -62,6 +68,14 @@ class ShardRunner:
         # bucket_of(fire_at) <= loaded_upto_bucket  <=>  fire_at < first ms of the next bucket
         limit = bucket_start_ms(self.loaded_upto_bucket + 1, self.conf.BUCKET_SHIFT)
         added = 0
+        journal = self.journal
+        if journal is not None:  # Raft on: the same loop, also noting what it adds
+            for timer_id, fire_at in rows:
+                if fire_at < limit and timer_id not in wheel:
+                    insert(timer_id, fire_at)
+                    journal[timer_id] = fire_at
+                    added += 1
+            return added
         for timer_id, fire_at in rows:
             if fire_at < limit and timer_id not in wheel:
                 insert(timer_id, fire_at)
@@ -87,7 +101,7 @@ class ShardRunner:
     def load_ahead(self, now_ms: int) -> int:
         """Read the buckets that entered the horizon since the last call."""
         horizon = self._horizon_bucket(now_ms)
-        if horizon <= self.loaded_upto_bucket:
+        if horizon <= self.loaded_upto_bucket or self.rebuild_pending:
             return 0
         rows = firing.load_window(self.db, self.shard, self.loaded_upto_bucket, horizon)
         self.loaded_upto_bucket = horizon
@@ -97,6 +111,8 @@ class ShardRunner:
         """Re-read what is due within two rescan intervals; return how many ids were new."""
         interval_ms = int(self.conf.RESCAN_INTERVAL_S * 1000)
         self.next_rescan_ms = self._next_rescan_ms(now_ms)
+        if self.rebuild_pending:
+            return 0  # the rebuild reads all of it
         rows = firing.rescan_due_soon(
             self.db, self.shard, now_ms + 2 * interval_ms, self.conf.BUCKET_SHIFT
         )
@@ -104,7 +120,17 @@ class ShardRunner:
 
     def due(self, now_ms: int) -> list[int]:
         """Advance the wheel to ``now_ms`` and return the due ids, oldest first."""
-        return self.wheel.advance(now_ms)
+        due = self.wheel.advance(now_ms)
+        if self.journal is not None:
+            # Out of the horizon: fired now, or re-added (a retry) through add().
+            self.journal.update(dict.fromkeys(due))
+        return due
+
+    def take_journal(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """What changed since the last call, as ``(added, removed)``; empties the journal."""
+        journal, self.journal = self.journal or {}, {}
+        added = [(i, t) for i, t in journal.items() if t is not None]
+        return added, [i for i, t in journal.items() if t is None]
 
     def next_wakeup_ms(self) -> int | None:
         """When the wheel next has work (a fire or a cascade), or None when empty."""
@@ -135,15 +161,32 @@ class ShardRunner:
         return bucket_of(now_ms - phase, self.conf.BUCKET_SHIFT) + self.conf.HORIZON_BUCKETS
 
 
-def load_acquired(db: str, conf: DurableSettings, got: Acquired, now_ms: int) -> ShardRunner:
+def load_acquired(
+    db: str, conf: DurableSettings, got: Acquired, now_ms: int, *, raft: bool = False
+) -> ShardRunner:
     """Build the runner of a shard just acquired: the previous owner's claims are released
     to run again now (not at their claim timeout), then the wheel is rebuilt from the rows.
-    Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took."""
+    Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took.
+
+    ``raft``: the runner journals its wheel for replication; and when the standby wheel
+    had overdue timers (``got.standby``), they go in first and the rebuild waits for the
+    engine's next fires (``rebuild_pending``): the overdue fire without waiting for the
+    rows to be read. Each fire is fenced and re-reads its row, so a stale entry is a no-op.
+    """
     started = time.monotonic()
     runner = ShardRunner(shard=got.shard, token=got.token, db=db, conf=conf, now_ms=now_ms)
     runner.cursor_ms = got.cursor_ms
+    if raft:
+        runner.journal = {}
     rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
-    loaded = runner.rebuild(now_ms)
+    if got.standby:
+        for timer_id, due_by in got.standby:
+            if timer_id not in runner.wheel:
+                runner.wheel.insert(timer_id, min(due_by, now_ms))
+        runner.rebuild_pending = True
+        loaded = len(got.standby)
+    else:
+        loaded = runner.rebuild(now_ms)
     runner.rebuild_s = time.monotonic() - started
     event(
         log,

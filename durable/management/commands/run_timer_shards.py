@@ -67,6 +67,18 @@ class Command(BaseCommand):
         parser.add_argument(
             "--duration", type=float, default=None, help="stop cleanly after this many seconds"
         )
+        parser.add_argument(
+            "--raft-self",
+            default=None,
+            help="with DURABLE['RAFT']: this node's base address host:port (overrides SELF; "
+            "the peers are PEERS plus SELF minus this one)",
+        )
+        parser.add_argument(
+            "--raft-bind",
+            default=None,
+            help="with DURABLE['RAFT']: where this node listens and connects from, "
+            "host:port (overrides BIND; default: the node's own address)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Run the worker until SIGTERM/SIGINT (or ``--duration``).
@@ -84,9 +96,21 @@ class Command(BaseCommand):
         metrics = WorkerMetrics()
         if options["metrics_port"] is not None:
             self.serve_metrics(metrics, options["metrics_port"], options["metrics_host"])
-        engine = Engine(
-            node=options["node"], scope=scope, threads=options["threads"], metrics=metrics
-        )
+        from durable.raft.config import RaftConfigError
+
+        if conf.RAFT is None and (options["raft_self"] or options["raft_bind"]):
+            raise CommandError("--raft-self/--raft-bind need DURABLE['RAFT'] to be set")
+        try:
+            engine = Engine(
+                node=options["node"],
+                scope=scope,
+                threads=options["threads"],
+                metrics=metrics,
+                raft_self=options["raft_self"],
+                raft_bind=options["raft_bind"],
+            )
+        except RaftConfigError as exc:
+            raise CommandError(str(exc)) from None
 
         def on_signal(signum: int, frame: Any) -> None:
             # The first signal stops cleanly: running handlers get SHUTDOWN_GRACE_S to

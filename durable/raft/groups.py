@@ -1,0 +1,355 @@
+"""One pysyncobj Raft group per shard, all ticked by one sidecar thread per node.
+
+DESIGN §5a says "each ticking in its own sidecar thread". Measured (pysyncobj 0.3.17, 64
+groups, 3 processes on loopback, password set): 64 auto-ticking threads, each in its own
+``select`` loop, cost 18-29 % of a core per idle process; one thread calling every group's
+``doTick(0)`` in turn costs 15-19 % at a 50 ms tick (docs: worker reference). So this node
+runs one sidecar thread, beside the worker's loop and never in it, that ticks its groups
+and drains their replication queues; the groups share nothing else.
+
+pysyncobj is imported here and only here (and in :mod:`durable.raft.transport`), when a
+:class:`GroupSet` is built: with Raft off, nothing of it is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from durable.raft.config import RaftConfig
+from durable.raft.standby import StandbyWheel
+from durable.raft.state import BadBatch, ShardState
+from durable.worker.logs import event
+
+log = logging.getLogger("durable.raft")
+
+MAX_COMMAND_ENTRIES = 5_000
+"""Largest number of timer entries in one Raft command (a rebuild of a million timers
+is replicated as many commands, so no one message blocks the group's heartbeats)."""
+
+BALANCE_STEP = 8
+"""Most leaderships one balancing round hands over."""
+
+
+def _consumer_class() -> type:
+    from pysyncobj import SyncObjConsumer, replicated
+
+    class ShardConsumer(SyncObjConsumer):  # type: ignore[misc]
+        """The pysyncobj side of one shard: applies batches to a :class:`ShardState`."""
+
+        def __init__(self, shard: int, now_ms: Callable[[], int]) -> None:
+            # Set before SyncObjConsumer.__init__, which marks the attributes present now
+            # as not part of the replicated state: only ``state`` is serialized.
+            self.shard = shard
+            self.now_ms = now_ms
+            self.standby = StandbyWheel(start_ms=now_ms())
+            self.lag_ms = 0
+            # apply() runs on the sidecar, standby_due() on the worker's loop.
+            self.lock = threading.Lock()
+            super().__init__()
+            self.state = ShardState()
+
+        @replicated  # type: ignore[misc]
+        def apply(self, batch: Any) -> None:
+            try:
+                applied = self.state.apply(batch)
+            except BadBatch as exc:  # only a node holding the password can get here
+                event(log, logging.WARNING, "raft.bad_batch", shard=self.shard, error=exc)
+                return
+            with self.lock:
+                for timer_id in applied.removed:
+                    self.standby.remove(timer_id)
+                for timer_id, fire_at in applied.added:
+                    self.standby.add(timer_id, fire_at)
+            if batch["at_ms"]:
+                self.lag_ms = max(0, self.now_ms() - batch["at_ms"])
+
+        def _deserialize(self, data: Any) -> None:
+            super()._deserialize(data)  # a snapshot from the leader: rebuild the standby
+            with self.lock:
+                self.standby.reset(self.state.pending.items(), self.now_ms())
+
+    return ShardConsumer
+
+
+@dataclass(slots=True)
+class Group:
+    """One shard's group on this node, as the sidecar sees it."""
+
+    shard: int
+    syncobj: Any
+    consumer: Any
+    outbox: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
+    leader: str | None = None  # base address of the last known leader
+    leader_seen: float = 0.0  # monotonic time a leader was last known
+    changes: int = 0
+
+
+class GroupSet:
+    """This node's Raft groups and their sidecar thread; the worker's interface to Raft."""
+
+    def __init__(
+        self, config: RaftConfig, shards: range | list[int], now_ms: Callable[[], int]
+    ) -> None:
+        self.config = config
+        self.shards = list(shards)
+        self.now_ms = now_ms
+        self.groups: dict[int, Group] = {}
+        self.stop_event = threading.Event()
+        self.changed = threading.Event()
+        """Set by the sidecar when a leadership changes; the worker clears it."""
+        self.leadership_changes = 0
+        self._thread: threading.Thread | None = None
+        self._stable_since = time.monotonic()
+        self._next_balance = time.monotonic() + config.balance_s
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build every group (binding its port) and start the sidecar thread."""
+        import pysyncobj.syncobj as syncobj_module
+        from pysyncobj import SyncObj, SyncObjConf
+
+        from durable.raft.transport import transport_class
+
+        # pysyncobj derives the Fernet key with 100,000 PBKDF2 rounds per group: the same
+        # key 64 times over was 3 s of CPU at start-up. Same input, same key: derive once.
+        if not hasattr(syncobj_module.getEncryptor, "cache_info"):
+            syncobj_module.getEncryptor = functools.lru_cache(maxsize=4)(
+                syncobj_module.getEncryptor
+            )
+        consumer_class = _consumer_class()
+        c = self.config
+        for shard in self.shards:
+            low, high = election_window(c, shard)
+            conf = SyncObjConf(
+                password=c.password,
+                bindAddress=c.group_address(c.bind, shard),
+                autoTick=False,  # the sidecar ticks (see the module docstring)
+                useFork=False,  # never fork a multi-threaded worker (log compaction)
+                appendEntriesPeriod=c.heartbeat_s,
+                raftMinTimeout=low,
+                raftMaxTimeout=high,
+                # A leader cut off from its peers steps down after this. Not shorter:
+                # at one election timeout, a loaded machine (a late tick or two) made
+                # healthy leaders step down in bulk, and every step-down is a takeover.
+                leaderFallbackTimeout=max(2.0, 2 * c.election_max_s),
+                connectionRetryTime=max(c.heartbeat_s * 2, 0.2),
+                connectionTimeout=max(c.election_max_s, 1.0),
+                # The journal lives in memory: what it loses, the rows still have.
+                journalFile=None,
+                fullDumpFile=None,
+            )
+            consumer = consumer_class(shard, self.now_ms)
+            syncobj = SyncObj(
+                c.group_address(c.self_addr, shard),
+                [c.group_address(p, shard) for p in c.peers],
+                conf,
+                consumers=[consumer],
+                transportClass=transport_class(c.bind_host, shard),
+            )
+            self.groups[shard] = Group(shard, syncobj, consumer)
+        self._thread = threading.Thread(target=self._run, name="durable-raft", daemon=True)
+        self._thread.start()
+        event(
+            log,
+            logging.INFO,
+            "raft.started",
+            self_addr=c.self_addr,
+            bind=c.bind,
+            peers=",".join(c.peers),
+            groups=len(self.groups),
+            tick_s=c.tick_s,
+        )
+
+    def stop(self) -> None:
+        """Stop the sidecar and close every group's sockets."""
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for group in self.groups.values():
+            group.syncobj._destroy()
+
+    # -- the sidecar ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = self.config.tick_s
+        while not self.stop_event.is_set():
+            started = time.monotonic()
+            try:
+                self._turn(started)
+            except Exception as exc:  # the sidecar must outlive any one bad turn
+                event(log, logging.ERROR, "raft.sidecar_error", error=repr(exc))
+            self.stop_event.wait(max(0.0, tick - (time.monotonic() - started)))
+
+    def _turn(self, now: float) -> None:
+        for group in self.groups.values():
+            group.syncobj.doTick(0.0)
+            self._drain(group)
+            self._observe(group, now)
+        if self.config.balance_s and now >= self._next_balance:
+            self._next_balance = now + self.config.balance_s
+            self._balance(now)
+
+    def _drain(self, group: Group) -> None:
+        while True:
+            try:
+                batch = group.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if group.syncobj._isLeader():  # a node that lost leadership drops its news
+                group.consumer.apply(batch)
+
+    def _observe(self, group: Group, now: float) -> None:
+        node = group.syncobj._getLeader()
+        leader = self._base_of(node.address, group.shard) if node is not None else None
+        if leader is not None:
+            group.leader_seen = now
+        if leader != group.leader:
+            if leader is not None:
+                group.changes += 1
+                self.leadership_changes += 1
+                self._stable_since = now
+                event(
+                    log,
+                    logging.INFO,
+                    "raft.leader",
+                    shard=group.shard,
+                    leader=leader,
+                    term=group.syncobj.raftCurrentTerm,
+                    me=leader == self.config.self_addr,
+                )
+            group.leader = leader
+            self.changed.set()
+
+    def _base_of(self, address: str, shard: int) -> str:
+        host, _, port = address.rpartition(":")
+        return f"{host}:{int(port) - shard}"
+
+    def _balance(self, now: float) -> None:
+        """Hand over a few leaderships when this node leads more than its share.
+
+        Only when every group has had the same leader for a while (a failover in progress
+        is left alone: transfers then made failover slower in the spike), and at most
+        :data:`BALANCE_STEP` groups per round, to peers connected in that group.
+        """
+        if now - self._stable_since < self.config.balance_s:
+            return
+        if any(g.leader is None for g in self.groups.values()):
+            return
+        counts: dict[str, int] = {}
+        for g in self.groups.values():
+            counts[g.leader or ""] = counts.get(g.leader or "", 0) + 1
+        first = next(iter(self.groups.values()))
+        alive = [self.config.self_addr] + [
+            p
+            for p in self.config.peers
+            if first.syncobj.isNodeConnected(_node(self.config.group_address(p, first.shard)))
+        ]
+        share = math.ceil(len(self.groups) / len(alive))
+        mine = sorted(s for s, g in self.groups.items() if g.leader == self.config.self_addr)
+        excess = len(mine) - share
+        for shard in reversed(mine[len(mine) - min(excess, BALANCE_STEP) :] if excess > 0 else []):
+            target = min(alive[1:], key=lambda p: counts.get(p, 0), default=None)
+            if target is None or counts.get(target, 0) >= share:
+                return
+            counts[target] = counts.get(target, 0) + 1
+            self.groups[shard].syncobj.transferLeadership(self.config.group_address(target, shard))
+            event(log, logging.INFO, "raft.transfer", shard=shard, to=target)
+
+    # -- the worker's interface ----------------------------------------------------------
+
+    def is_leader(self, shard: int) -> bool:
+        """True when this node is shard ``shard``'s Raft leader."""
+        group = self.groups.get(shard)
+        return group is not None and bool(group.syncobj._isLeader())
+
+    def term(self, shard: int) -> int:
+        """This node's current Raft term of shard ``shard``."""
+        return int(self.groups[shard].syncobj.raftCurrentTerm)
+
+    def leader_of(self, shard: int) -> str | None:
+        """The base address of shard ``shard``'s last known leader, or None."""
+        return self.groups[shard].leader
+
+    def led_by_other(self, shard: int) -> bool:
+        """True when another node is known to lead shard ``shard``'s group."""
+        leader = self.groups[shard].leader
+        return leader is not None and leader != self.config.self_addr
+
+    def has_quorum(self, shard: int) -> bool:
+        """A leader is known, or was within one election timeout (else: lease fallback)."""
+        group = self.groups[shard]
+        if group.leader is not None:
+            return True
+        return time.monotonic() - group.leader_seen < self.config.election_max_s
+
+    def replicate(self, shard: int, batch: dict[str, Any]) -> None:
+        """Queue ``batch`` for the sidecar to append (never blocks; big ones are split)."""
+        group = self.groups.get(shard)
+        if group is None:
+            return
+        added, removed = batch["add"], batch["remove"]
+        if len(added) + len(removed) <= MAX_COMMAND_ENTRIES:
+            group.outbox.put(batch)
+            return
+        for i in range(0, max(len(added), len(removed)), MAX_COMMAND_ENTRIES):
+            chunk = {**batch, "add": added[i : i + MAX_COMMAND_ENTRIES]}
+            chunk["remove"] = removed[i : i + MAX_COMMAND_ENTRIES]
+            group.outbox.put(chunk)
+
+    def standby_due(self, shard: int) -> list[tuple[int, int]]:
+        """Shard ``shard``'s standby timers due now (for a warm takeover)."""
+        consumer = self.groups[shard].consumer
+        with consumer.lock:
+            return list(consumer.standby.overdue(self.now_ms()))
+
+    def state_of(self, shard: int) -> ShardState:
+        """The replicated state of shard ``shard`` as applied on this node."""
+        state: ShardState = self.groups[shard].consumer.state
+        return state
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """Per shard: role, term, leader, replication lag, standby size."""
+        out = {}
+        for shard, group in self.groups.items():
+            leader = bool(group.syncobj._isLeader())
+            out[shard] = {
+                "role": "leader" if leader else ("follower" if group.leader else "candidate"),
+                "term": int(group.syncobj.raftCurrentTerm),
+                "leader": group.leader or "",
+                "lag_ms": int(group.consumer.lag_ms),
+                "standby": len(group.consumer.standby),
+            }
+        return out
+
+
+def election_window(config: RaftConfig, shard: int) -> tuple[float, float]:
+    """This node's election timeout range in shard ``shard``'s group.
+
+    ``ELECTION_TIMEOUT_S`` is cut into one slice per node, and each group ranks the nodes
+    in a rotation of their sorted addresses (shard ``s`` starts at node ``s mod n``): the
+    node ranked first times out first. With fully random timeouts in one shared range,
+    the two survivors of a killed leader often stood for election together, split the
+    vote and tried again (up to 3.3 s in the SIGKILL test, on a loaded machine); with
+    slices, the next in rank wins at once, and at start-up the leaderships come out
+    spread evenly across the nodes without any transfer.
+    """
+    nodes = sorted({config.self_addr, *config.peers})
+    rank = (nodes.index(config.self_addr) - shard) % len(nodes)
+    step = (config.election_max_s - config.election_min_s) / len(nodes)
+    low = config.election_min_s + rank * step
+    return low, low + step * 0.7
+
+
+def _node(address: str) -> Any:
+    from pysyncobj.node import TCPNode
+
+    return TCPNode(address)

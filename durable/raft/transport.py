@@ -1,0 +1,164 @@
+"""pysyncobj's TCP transport, bound to one source address and logging refused peers.
+
+Two changes to pysyncobj 0.3.17's ``TCPTransport`` (pinned, because this reaches into its
+connection class):
+
+* outgoing connections leave from the host this node listens on (``BIND``), so a proxy
+  between nodes can tell them apart by source address, and a multi-homed host never
+  sends Raft traffic out of an unexpected interface;
+* every connection decrypts through :class:`RefusingEncryptor`, which logs
+  ``raft.peer_refused`` when a message fails to decrypt (wrong password, or not
+  pysyncobj at all) before pysyncobj drops the connection.
+
+Why a message from a peer without the password never reaches pickle: pysyncobj's
+``TcpConnection.__processParseMessage`` (tcp_connection.py, 0.3.17) calls the encryptor's
+``extract_timestamp`` and ``decrypt`` on the raw frame *before* ``pickle.loads``, inside a
+``try`` whose ``except`` disconnects. Fernet's ``decrypt`` checks the HMAC-SHA256 of the
+frame first and raises ``InvalidToken`` on a mismatch; so with a password set, only a frame
+made with the same password is ever unpickled. Hence the password is mandatory
+(``durable.E022``): without one pysyncobj would unpickle anything a peer sends.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import time
+from typing import Any
+
+from pysyncobj.monotonic import monotonic as monotonic_time
+from pysyncobj.poller import POLL_EVENT_TYPE
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection, _getAddrType
+from pysyncobj.transport import TCPTransport
+
+from durable.worker.logs import event
+
+log = logging.getLogger("durable.raft")
+
+# One refusal log per peer address per this many seconds: a peer with a wrong password
+# reconnects to every group over and over, and the log must not drown in it.
+REFUSAL_LOG_EVERY_S = 10.0
+_last_refusal: dict[str, float] = {}
+refused_total = 0
+"""Frames refused since start (all groups of this process); read by tests and status."""
+
+
+class RefusingEncryptor:
+    """Wraps pysyncobj's Fernet encryptor; logs a frame that fails to decrypt."""
+
+    def __init__(self, inner: Any, peer: str, shard: int) -> None:
+        self.inner = inner
+        self.peer = peer
+        self.shard = shard
+
+    def encrypt_at_time(self, data: bytes, at: int) -> bytes:
+        """Encrypt as pysyncobj does."""
+        return bytes(self.inner.encrypt_at_time(data, at))
+
+    def extract_timestamp(self, data: bytes) -> int:
+        """The frame's timestamp; a frame that fails its HMAC check is refused here."""
+        try:
+            return int(self.inner.extract_timestamp(data))
+        except Exception as exc:
+            self._refused(exc)
+            raise
+
+    def decrypt(self, data: bytes) -> bytes:
+        """Decrypt (pysyncobj then unpickles only what this returns)."""
+        try:
+            return bytes(self.inner.decrypt(data))
+        except Exception as exc:
+            self._refused(exc)
+            raise
+
+    def _refused(self, exc: Exception) -> None:
+        global refused_total
+        refused_total += 1
+        now = time.monotonic()
+        host = self.peer.rpartition(":")[0] or self.peer
+        if now - _last_refusal.get(host, -REFUSAL_LOG_EVERY_S) >= REFUSAL_LOG_EVERY_S:
+            _last_refusal[host] = now
+            event(
+                log,
+                logging.WARNING,
+                "raft.peer_refused",
+                peer=self.peer,
+                shard=self.shard,
+                reason=type(exc).__name__,
+                refused_total=refused_total,
+            )
+
+
+class SourceBoundConnection(TcpConnection):  # type: ignore[misc]
+    """A ``TcpConnection`` whose outgoing socket is bound to ``source_host`` first."""
+
+    source_host: str | None = None
+
+    def connect(self, host: str, port: int) -> bool:
+        """pysyncobj's ``connect`` with one added ``bind((source_host, 0))``."""
+        if host is None:
+            return False
+        self._TcpConnection__state = CONNECTION_STATE.DISCONNECTED
+        self._TcpConnection__fileno = None
+        sock = socket.socket(_getAddrType(host), socket.SOCK_STREAM)
+        self._TcpConnection__socket = sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._TcpConnection__sendBufferSize)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._TcpConnection__recvBufferSize)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.setSockoptKeepalive()
+        if self.source_host:
+            sock.bind((self.source_host, 0))
+        sock.setblocking(False)
+        self._TcpConnection__readBuffer = b""
+        self._TcpConnection__writeBuffer = b""
+        self._TcpConnection__lastReadTime = monotonic_time()
+        try:
+            sock.connect((host, port))
+        except OSError as e:
+            if e.errno not in (socket.errno.EINPROGRESS, socket.errno.EWOULDBLOCK):  # type: ignore[attr-defined]
+                return False
+        self._TcpConnection__fileno = sock.fileno()
+        self._TcpConnection__state = CONNECTION_STATE.CONNECTING
+        self._TcpConnection__poller.subscribe(
+            self._TcpConnection__fileno,
+            self._TcpConnection__processConnection,
+            POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.WRITE | POLL_EVENT_TYPE.ERROR,
+        )
+        return True
+
+
+def transport_class(source_host: str, shard: int) -> type[TCPTransport]:
+    """A ``TCPTransport`` subclass for shard ``shard``'s group (see the module docstring)."""
+
+    class DurableTransport(TCPTransport):  # type: ignore[misc]
+        def addNode(self, node: Any) -> None:
+            # pysyncobj's addNode, with our connection class and a logging encryptor.
+            self._nodes.add(node)
+            self._nodeAddrToNode[node.address] = node
+            if self._shouldConnect(node):
+                conf = self._syncObj.conf
+                conn = SourceBoundConnection(
+                    poller=self._syncObj._poller,
+                    timeout=conf.connectionTimeout,
+                    sendBufferSize=conf.sendBufferSize,
+                    recvBufferSize=conf.recvBufferSize,
+                    keepalive=conf.tcp_keepalive,
+                )
+                conn.source_host = source_host
+                conn.encryptor = RefusingEncryptor(self._syncObj.encryptor, node.address, shard)
+                conn.setOnConnectedCallback(functools.partial(self._onOutgoingConnected, conn))
+                conn.setOnMessageReceivedCallback(functools.partial(self._onMessageReceived, node))
+                conn.setOnDisconnectedCallback(functools.partial(self._onDisconnected, conn))
+                self._connections[node] = conn
+
+        def _onNewIncomingConnection(self, conn: Any) -> None:
+            super()._onNewIncomingConnection(conn)
+            try:
+                host, port = conn._TcpConnection__socket.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                peer = "?"
+            conn.encryptor = RefusingEncryptor(self._syncObj.encryptor, peer, shard)
+
+    return DurableTransport

@@ -1,0 +1,94 @@
+"""The engine's lease upkeep: renew, give up, take (with Raft: as the groups decide).
+
+A mixin of :class:`durable.worker.engine.Engine`, kept apart so each module stays small:
+it uses the engine's ``keeper``, ``runners``, ``raft``, ``firer``, ``metrics`` and clock.
+Renewal may also run between batches of a long turn; rebalancing (taking and giving up
+shards) only at the start of a turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from durable.storage import leases as lease_store
+from durable.worker import raftlink
+from durable.worker.logs import event
+from durable.worker.runner import load_acquired
+
+if TYPE_CHECKING:
+    from durable.worker.runner import ShardRunner
+
+log = logging.getLogger("durable.worker")
+
+
+class Ownership:
+    """Lease renewal and rebalancing, mixed into the engine."""
+
+    runners: dict[int, ShardRunner]
+    keeper: Any
+    raft: Any
+    firer: Any
+    metrics: Any
+    clock: Any
+    conf: Any
+    db: str
+    node: str
+    _next_renew_ms: int
+    _next_rebalance_ms: int
+
+    def _drop(self, shard: int, reason: str) -> None:
+        runner = self.runners.pop(shard, None)
+        if runner is not None:
+            event(
+                log,
+                logging.WARNING,
+                "lease.lost",
+                shard=shard,
+                token=runner.token,
+                node=self.node,
+                reason=reason,
+            )
+            self.metrics.on_lease("lost", len(self.runners))
+
+    def _renew_if_due(self) -> None:
+        """Heartbeat and renew (no rebalancing) when a renewal is due mid-turn."""
+        now = self.clock.now_ms()
+        if now < self._next_renew_ms:
+            return
+        self._next_renew_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+        held = {s: r.token for s, r in self.runners.items()}
+        view = None if self.raft is None else raftlink.view(self.raft)
+        lease_store.heartbeat(self.db, self.node, held, now, view)
+        if self.raft is not None:
+            self.metrics.set_raft(self.raft.status(), self.raft.leadership_changes)
+        cursors = {s: r.cursor_ms for s, r in self.runners.items()}
+        for shard in self.keeper.renew(held, cursors, now):
+            self._drop(shard, reason="renewal found it taken over")
+
+    def _maintain_leases(self, now: int) -> None:
+        self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+        self._next_renew_ms = 0
+        self._renew_if_due()
+        rows = lease_store.snapshot(self.db)
+        foreign_expiry = self.keeper.next_foreign_expiry_ms(rows, now)
+        if foreign_expiry is not None:  # a peer that stops renewing is replaced at once
+            self._next_rebalance_ms = min(self._next_rebalance_ms, foreign_expiry + 50)
+        # Raft: a shard led by another node is given up at once (its leader takes it with
+        # a new token anyway, so an external fire in flight is fenced either way).
+        for shard in self.keeper.not_leader(self.runners):
+            runner = self.runners.pop(shard)
+            self.keeper.release(shard, runner.token, runner.cursor_ms)
+            self.metrics.on_lease("released", len(self.runners))
+        if not self.firer.in_flight:  # never hand over a shard with an external fire running
+            for shard in self.keeper.to_release(self.runners, now, rows):
+                runner = self.runners.pop(shard)
+                self.keeper.release(shard, runner.token, runner.cursor_ms)
+                self.metrics.on_lease("released", len(self.runners))
+        taken = self.keeper.acquire_as_leader(self.runners, now)
+        for got in taken + self.keeper.acquire_up_to_share(self.runners, now, rows):
+            runner = load_acquired(self.db, self.conf, got, now, raft=self.raft is not None)
+            self.runners[got.shard] = runner
+            self.metrics.on_rebuild(runner.rebuild_s)
+            taken_over = bool(got.previous_owner) and got.previous_owner != self.node
+            self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))

@@ -1,0 +1,79 @@
+"""The worker's side of Raft (``DURABLE["RAFT"]``): start the groups, replicate, publish.
+
+The engine keeps firing exactly as without Raft; this module only builds the
+:class:`durable.raft.groups.GroupSet` of the node, turns each owned shard's journal into
+one replicated batch per loop turn (after the turn's commits, through a queue the Raft
+sidecar drains: nothing here waits on the network), and shapes the per-shard view that the
+heartbeat publishes (``WorkerNode.raft``) and the metrics show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from durable.conf import DurableSettings
+from durable.core.clock import Clock
+
+if TYPE_CHECKING:
+    from durable.raft.groups import GroupSet
+    from durable.worker.runner import ShardRunner
+
+
+def build(
+    conf: DurableSettings,
+    clock: Clock,
+    scope: list[int],
+    raft_self: str | None = None,
+    raft_bind: str | None = None,
+) -> GroupSet | None:
+    """This node's Raft groups (not started), or None when ``RAFT`` is off.
+
+    Raises :class:`durable.raft.config.RaftConfigError` naming every problem of the
+    settings (with the ``--raft-self``/``--raft-bind`` overrides applied).
+    """
+    from durable.raft.config import parse
+
+    config = parse(conf.RAFT, conf.SHARDS, raft_self, raft_bind)
+    if config is None:
+        return None
+    from durable.raft.groups import GroupSet
+
+    return GroupSet(config, scope, clock.now_ms)
+
+
+def flush(raft: GroupSet, node: str, runners: Mapping[int, ShardRunner], now_ms: int) -> int:
+    """Replicate what each led shard's wheel gained and lost this turn; return entries."""
+    from durable.raft.state import make_batch
+
+    sent = 0
+    for shard, runner in runners.items():
+        added, removed = runner.take_journal()
+        state = raft.state_of(shard)
+        # The cursor alone moves every turn: replicated once a second at most per shard,
+        # or an idle cluster would send 64 commands per turn.
+        moved = runner.cursor_ms - state.cursor_ms >= 1000 or runner.token != state.token
+        if not (added or removed or moved) or not raft.is_leader(shard):
+            continue
+        raft.replicate(
+            shard,
+            make_batch(
+                owner=node,
+                token=runner.token,
+                term=raft.term(shard),
+                cursor_ms=runner.cursor_ms,
+                added=added,
+                removed=removed,
+                at_ms=now_ms,
+            ),
+        )
+        sent += len(added) + len(removed)
+    return sent
+
+
+def view(raft: GroupSet) -> dict[int, dict[str, Any]]:
+    """Per shard: ``role``, ``term``, ``leader`` (what the heartbeat publishes)."""
+    return {
+        shard: {"role": row["role"], "term": row["term"], "leader": row["leader"]}
+        for shard, row in raft.status().items()
+    }
