@@ -1,13 +1,14 @@
 """Three real workers on the benchmark database, leases only or Raft on (``bench/failover.py``).
 
 Built on :class:`durable.testing.nodes.WorkerPool`. With Raft on, node i listens on (and
-connects from) ``127.0.0.(10+i)``, base port 7100 (shard s on 7100 + s), with the settings
-of ``tests.acceptance.raft_settings`` (Raft's default tuning unless ``--raft-*`` is given).
+connects from) ``127.0.0.(10+i)``, base port 7100 (shard s on 7100 + s), with
+``DURABLE["RAFT"]`` as JSON in ``DURABLE_RAFT`` (read by the test project's settings).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -31,7 +32,8 @@ class Mode:
     key: str
     label: str
     ttl_s: float
-    raft: bool
+    #: None: Raft off; else extra ``DURABLE["RAFT"]`` keys (tuning; {} for the defaults).
+    raft: dict[str, object] | None
     #: Extra settings (environment of the test project's settings) every node runs with.
     env: dict[str, str] = field(default_factory=dict)
 
@@ -44,11 +46,11 @@ def node_env(mode: Mode) -> tuple[str, dict[str, str]]:
         "DURABLE_IMPORTS": "bench.peers.durable_side,tests.acceptance.workflows",
         **mode.env,
     }
-    if not mode.raft:
-        return "testproject.settings", env
-    peers = ",".join(raft_address(name) for name in NODES)
-    env |= {"DURABLE_RAFT_PEERS": peers, "DURABLE_RAFT_PASSWORD": RAFT_PASSWORD}
-    return "tests.acceptance.raft_settings", env
+    if mode.raft is not None:
+        peers = [raft_address(name) for name in NODES]
+        raft = {"SELF": peers[0], "PEERS": peers[1:], "PASSWORD": RAFT_PASSWORD, **mode.raft}
+        env["DURABLE_RAFT"] = json.dumps(raft)
+    return "testproject.settings", env
 
 
 def raft_address(name: str) -> str:
@@ -65,7 +67,7 @@ def cluster(url: str, mode: Mode, log_dir: Path) -> Iterator[WorkerPool]:
     )
     try:
         for name in NODES:
-            args = ("--raft-self", raft_address(name)) if mode.raft else ()
+            args = ("--raft-self", raft_address(name)) if mode.raft is not None else ()
             pool.start(name, *args)
         yield pool
     finally:

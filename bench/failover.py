@@ -45,16 +45,16 @@ from bench._common import REPO, Lateness, connect, setup_django, wait_until, wal
 
 URL = "postgres://durable:durable@127.0.0.1:5432/durable_failover_bench"
 MODES = {
-    "ttl10": Mode("ttl10", "(a) leases only, LEASE_TTL_S 10 s", 10.0, False),
+    "ttl10": Mode("ttl10", "(a) leases only, LEASE_TTL_S 10 s", 10.0, None),
     # A TTL of 2 s needs the batch budget and the rescan below it (check durable.E005).
     "ttl2": Mode(
         "ttl2",
         "(b) leases only, LEASE_TTL_S 2 s (BATCH_TIME_BUDGET_S and RESCAN_INTERVAL_S 1 s)",
         2.0,
-        False,
+        None,
         {"DURABLE_BATCH_TIME_BUDGET_S": "1", "DURABLE_RESCAN_INTERVAL_S": "1"},
     ),
-    "raft": Mode("raft", "(c) Raft on, LEASE_TTL_S 10 s", 10.0, True),
+    "raft": Mode("raft", "(c) Raft on (default Raft tuning), LEASE_TTL_S 10 s", 10.0, {}),
 }
 MEASURES = ("failover", "lateness", "idle", "memory")
 RUNS = 200
@@ -101,7 +101,7 @@ def fill_horizon(n: int) -> None:
 
 def unavailable(mode: Mode) -> str | None:
     """Why ``mode`` cannot run here, or None."""
-    if not mode.raft:
+    if mode.raft is None:
         return None
     from durable.testing.nodes import raft_unavailable_reason
 

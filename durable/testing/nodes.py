@@ -147,9 +147,14 @@ class Worker:
         return [line for line in self.log().splitlines() if f" {name} " in f"{line} "]
 
     def leases_taken(self) -> set[tuple[int, int]]:
-        """Every ``(shard, token)`` this worker acquired or took over, from its log."""
+        """Every ``(shard, token)`` this worker acquired or took over (also as a Raft
+        leader: ``lease.raft_takeover``), from its log."""
         taken = set()
-        for line in self.events("lease.acquired") + self.events("lease.takeover"):
+        for line in (
+            self.events("lease.acquired")
+            + self.events("lease.takeover")
+            + self.events("lease.raft_takeover")
+        ):
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
             taken.add((int(fields["shard"]), int(fields["token"])))
         return taken

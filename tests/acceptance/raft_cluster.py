@@ -4,11 +4,12 @@ Node i listens on (and connects from) ``127.0.0.(10+i)``. Behind the proxy
 (:mod:`durable.testing.raftproxy`) it advertises a proxy address (``--raft-self``) and
 binds its own (``--raft-bind``), so a test can cut its Raft links while its database
 connections stay up. Every node runs durable's default settings plus ``DURABLE["RAFT"]``
-(``tests.acceptance.raft_settings``).
+(the test project reads it as JSON from ``DURABLE_RAFT``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from durable.models import ShardLease
+from durable.models import ShardLease, WorkerNode
 from durable.testing.nodes import Worker, raft_unavailable_reason
 from durable.testing.raftproxy import ProxiedNode, RaftProxy, loopback_nodes
 from tests.acceptance.helpers import WorkerPool, database_url
@@ -41,12 +42,12 @@ def raft_cluster(
     """Three started nodes ``n1..n3`` (and the running proxy when ``proxied``)."""
     nodes = loopback_nodes(3, shards)
     advertised = [node.advertised if proxied else node.bind for node in nodes]
+    raft = {"SELF": advertised[0], "PEERS": advertised[1:], "PASSWORD": PASSWORD}
     pool = WorkerPool(
         database_url=database_url(connection.settings_dict),
         log_dir=log_dir,
         defaults=True,
-        settings_module="tests.acceptance.raft_settings",
-        env={"DURABLE_RAFT_PEERS": ",".join(advertised), "DURABLE_RAFT_PASSWORD": PASSWORD},
+        env={"DURABLE_RAFT": json.dumps(raft)},
     )
     proxy = RaftProxy(nodes, ports=shards).start() if proxied else None
     try:
@@ -80,11 +81,33 @@ def spread_over(names: list[str], shards: int) -> bool:
     return sum(map(len, owners.values())) == shards and set(names) <= set(owners)
 
 
-def takeover_times_ms(worker: Worker) -> dict[tuple[int, int], int]:
-    """``(shard, token)`` → epoch ms of each ``lease.takeover`` in ``worker``'s log."""
+def raft_views(names: list[str]) -> dict[str, dict[int, dict[str, object]]]:
+    """Node → {shard: {role, term, leader}} as its last heartbeat published it."""
+    rows = WorkerNode.objects.filter(name__in=names).values_list("name", "raft")
+    return {name: {int(s): v for s, v in (view or {}).items()} for name, view in rows}
+
+
+def led_by_owners(pool: WorkerPool, shards: int) -> bool:
+    """Every shard held by a running node that (by its last heartbeat) leads it."""
+    alive = pool.alive()
+    views = raft_views(alive)
+    rows = list(ShardLease.objects.values_list("shard", "owner"))
+    return len(rows) == shards and all(
+        owner in alive and views.get(owner, {}).get(shard, {}).get("role") == "leader"
+        for shard, owner in rows
+    )
+
+
+def acquired_at_ms(worker: Worker) -> dict[tuple[int, int], int]:
+    """``(shard, token)`` → epoch ms of each lease ``worker`` took, from its log.
+
+    ``lease.acquired`` (a free lease), ``lease.takeover`` (an expired one) and
+    ``lease.raft_takeover`` (taken at once as the shard's Raft leader).
+    """
     out = {}
-    for line in worker.events("lease.takeover"):
-        stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")  # local time, as logged
-        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
-        out[(int(fields["shard"]), int(fields["token"]))] = int(stamp.timestamp() * 1000)
+    for name in ("lease.acquired", "lease.takeover", "lease.raft_takeover"):
+        for line in worker.events(name):
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")  # local, as logged
+            fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            out[(int(fields["shard"]), int(fields["token"]))] = int(stamp.timestamp() * 1000)
     return out

@@ -24,7 +24,13 @@ from tests.acceptance.helpers import (
     now_ms,
     progress,
 )
-from tests.acceptance.raft_cluster import held, raft_cluster, skip_without_raft, spread_over
+from tests.acceptance.raft_cluster import (
+    held,
+    led_by_owners,
+    raft_cluster,
+    skip_without_raft,
+    spread_over,
+)
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -42,9 +48,9 @@ def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path
     count = RATE * SECONDS
     with raft_cluster(tmp_path / "logs", SHARDS, proxied=False) as (pool, _, _):
         pool.wait_until(
-            lambda: spread_over(names, SHARDS),
+            lambda: spread_over(names, SHARDS) and led_by_owners(pool, SHARDS),
             timeout_s=90,
-            what="three Raft nodes holding every shard between them",
+            what="three Raft nodes holding every shard between them, each as its leader",
             require_alive=names,
         )
         first_due = now_ms() + LEAD_MS
