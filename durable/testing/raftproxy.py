@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import socket
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
@@ -256,14 +257,14 @@ class RaftProxy:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return future.result(timeout=CONTROL_TIMEOUT_S)
 
-    async def _set(self, change: Any) -> None:
+    async def _set(self, change: Callable[[], object]) -> None:
         change()
 
     async def _open(self) -> None:
         for node in self.nodes.values():
             for offset in range(self.ports):
                 server = await asyncio.start_server(
-                    lambda r, w, n=node, o=offset: self._serve(n, o, r, w),
+                    functools.partial(self._serve, node, offset),
                     node.listen_host,
                     node.listen_base + offset,
                     reuse_address=True,

@@ -98,23 +98,28 @@ def test_partitioned_owner_loses_its_shards_fast_and_commits_nothing_after(
         assert not set(held().get(victim, {})) & set(old), pool.logs()
         proxy.restore(victim)
 
-        def rejoined() -> bool:
-            # Its heartbeat's view: it follows a leader, in a newer term, in every shard
-            # it lost (published every heartbeat; the balancer waits longer to move any).
+        def not_following() -> dict[int, object]:
+            # Its heartbeat's view of every shard it lost, where it does not yet follow a
+            # leader in a newer term than at the cut (the balancer waits longer than a
+            # heartbeat before it moves any leadership back).
             view = raft_views([victim]).get(victim, {})
-            return all(
-                s in view
-                and view[s]["role"] == "follower"
-                and int(view[s]["term"]) > int(terms_at_cut.get(s, 0))
+            return {
+                s: view.get(s)
                 for s in old
-            )
+                if s not in view
+                or view[s]["role"] != "follower"
+                or int(view[s]["term"]) <= int(terms_at_cut.get(s, 0))
+            }
 
         rejoin_s = pool.wait_until(
-            rejoined,
+            lambda: not not_following(),
             timeout_s=30,
             what=f"{victim} following the new leaders after the link came back",
             require_alive=names,
-            explain=lambda: raft_views([victim]),
+            explain=lambda: (
+                f"not following yet: {not_following()}; terms at the cut: "
+                f"{ {s: terms_at_cut.get(s) for s in old} }"
+            ),
         )
         metric(record_property, "partition_rejoined_as_follower_s", round(rejoin_s, 2))
         pool.wait_until(
