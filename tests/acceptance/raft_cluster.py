@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,11 @@ from durable.testing.raftproxy import ProxiedNode, RaftProxy, loopback_nodes
 from tests.acceptance.helpers import WorkerPool, database_url
 
 PASSWORD = "acceptance-raft-password"  # a throwaway cluster on loopback only
+
+
+def at(ms: int) -> datetime:
+    """Epoch ms as the aware datetime ``durable.schedule_many`` takes."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
 def skip_without_raft() -> None:

@@ -12,7 +12,6 @@ under new tokens only); every timer fires exactly once, none early.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 
 import pytest
 
@@ -29,6 +28,7 @@ from tests.acceptance.helpers import (
 )
 from tests.acceptance.raft_cluster import (
     acquired_at_ms,
+    at,
     held,
     led_by_owners,
     raft_cluster,
@@ -41,10 +41,6 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_d
 
 COUNT, LEAD_MS, SPREAD_MS = 6_000, 3_000, 20_000
 TAKEOVER_S = 2.0
-
-
-def at(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
 def test_partitioned_owner_loses_its_shards_fast_and_commits_nothing_after(

@@ -8,8 +8,6 @@ again. Asserted: every timer fires exactly once, none early, none later than 1 s
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import pytest
 
 import durable
@@ -25,6 +23,7 @@ from tests.acceptance.helpers import (
     progress,
 )
 from tests.acceptance.raft_cluster import (
+    at,
     held,
     led_by_owners,
     raft_cluster,
@@ -36,10 +35,6 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_d
 
 RATE, SECONDS, LEAD_MS = 2_000, 40, 15_000
 MAX_LATENESS_MS = 1_000
-
-
-def at(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
 def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path, record_property):
