@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,8 @@ from durable.testing.nodes import WorkerPool
 
 NODES = ("f1", "f2", "f3")
 RAFT_BASE_PORT = 7100
+#: Node i serves Prometheus /metrics on this port + i (loopback).
+METRICS_BASE_PORT = 9710
 #: Only ever a benchmark's throwaway cluster on loopback.
 RAFT_PASSWORD = "bench-failover-password"
 
@@ -66,8 +70,10 @@ def cluster(url: str, mode: Mode, log_dir: Path) -> Iterator[WorkerPool]:
         database_url=url, log_dir=log_dir, cwd=REPO, settings_module=settings_module, env=env
     )
     try:
-        for name in NODES:
-            args = ("--raft-self", raft_address(name)) if mode.raft is not None else ()
+        for i, name in enumerate(NODES):
+            args = ["--metrics-port", str(METRICS_BASE_PORT + i)]
+            if mode.raft is not None:
+                args += ["--raft-self", raft_address(name)]
             pool.start(name, *args)
         yield pool
     finally:
@@ -145,6 +151,40 @@ def cpu_percent(pool: WorkerPool, seconds: float) -> dict[str, float]:
     time.sleep(seconds)
     took = time.monotonic() - started
     return {name: 100 * (_cpu_s(pid) - before[name]) / took for name, pid in pids.items()}
+
+
+class LagWatch:
+    """Scrapes every node's ``durable_raft_replication_lag_seconds`` twice a second."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LagWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            for i, name in enumerate(NODES):
+                if not self.pool.workers[name].alive:
+                    continue
+                url = f"http://127.0.0.1:{METRICS_BASE_PORT + i}/metrics"
+                try:
+                    text = urllib.request.urlopen(url, timeout=2).read().decode()
+                except OSError:
+                    continue
+                self.samples += [
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("durable_raft_replication_lag_seconds{")
+                ]
 
 
 def raft_events(pool: WorkerPool, pattern: str) -> int:

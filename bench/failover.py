@@ -22,7 +22,10 @@ worst lateness, and lost/doubled/early counts. A timer's fire time is the ``fire
 batch stamps; a run's is the wall clock its atomic step records.
 
 ``lateness``: the same three nodes, 2,000 write timers a second (``--lat-seconds``), p99
-of (fired - due). ``idle``: CPU of each idle node over ``--idle-s``. ``memory``: RSS of
+of (fired - due); with Raft on, also the followers' replication lag
+(``durable_raft_replication_lag_seconds``, scraped from each node's ``/metrics`` twice a
+second). Replication throughput (timers a second a leader can replicate) is not measured:
+no metric says how many timers a standby holds. ``idle``: CPU of each idle node over ``--idle-s``. ``memory``: RSS of
 each node with ``--timers`` loaded, against idle (with Raft on, the standby wheels add to
 it). The machine is shared and has 2 cores: the load average is printed with every figure.
 """
@@ -40,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._cluster import Mode, cluster, cpu_percent, rss_mb, wait_spread
+from bench._cluster import LagWatch, Mode, cluster, cpu_percent, rss_mb, wait_spread
 from bench._common import REPO, Lateness, connect, setup_django, wait_until, wall_ms
 
 URL = "postgres://durable:durable@127.0.0.1:5432/durable_failover_bench"
@@ -222,11 +225,12 @@ def lateness(mode: Mode, args: argparse.Namespace, log_dir: Path) -> dict[str, A
         wait_spread(URL, pool, get_settings().SHARDS)
         first = int(wall_ms()) + 12_000  # time to write them all first (NOTIFY per commit)
         took = schedule_many([first + i * 1000 // args.lat_rate for i in range(total)], WRITE)
-        wait_until(
-            lambda: int(raw("SELECT count(*) FROM bench_effect")[0][0]) >= total,
-            timeout_s=args.lat_seconds + 90,
-            every_s=0.2,
-        )
+        with LagWatch(pool) as lag:  # Raft on: how far behind the followers apply
+            wait_until(
+                lambda: int(raw("SELECT count(*) FROM bench_effect")[0][0]) >= total,
+                timeout_s=args.lat_seconds + 90,
+                every_s=0.2,
+            )
         rows = raw("SELECT fired_ms - due_ms FROM bench_effect")
     lat = Lateness.of([float(r[0]) for r in rows])
     return {
@@ -238,6 +242,10 @@ def lateness(mode: Mode, args: argparse.Namespace, log_dir: Path) -> dict[str, A
         "max_ms": round(lat.max, 1),
         "later_than_1s": sum(1 for (r,) in rows if r > 1_000),
         "scheduling_s": round(took, 1),
+        "replication_lag_p99_s": (
+            round(Lateness.of(lag.samples).p99, 3) if lag.samples else "n/a (Raft off)"
+        ),
+        "replication_lag_max_s": round(max(lag.samples), 3) if lag.samples else "n/a",
         "load": load(),
     }
 
