@@ -128,11 +128,12 @@ def failover(mode: Mode, args: argparse.Namespace, log_dir: Path) -> dict[str, A
         ready_s = wait_spread(URL, pool, shards)
         first = int(wall_ms()) + 5_000
         schedule_many([first + i * 1000 // args.rate for i in range(stream)], NOOP)
-        kill_at = first + 3_000
-        time.sleep(max(0.0, (kill_at - 2_500 - wall_ms()) / 1000))
+        # Writing the stream can outlast its lead on a loaded machine: the kill waits for
+        # 3 s of it, and for the runs to be written and asleep.
+        kill_at = max(first + 3_000, int(wall_ms()) + 4_000)
         for i in range(RUNS):  # asleep until 0.3-1.0 s after the kill
             wake = kill_at + 300 + i * 700 // RUNS
-            sleep_then_record.start(f"r{i}", (wake - wall_ms()) / 1000)
+            sleep_then_record.start(f"r{i}", max(0.5, (wake - wall_ms()) / 1000))
         rss = rss_mb(pool)
         time.sleep(max(0.0, (kill_at - wall_ms()) / 1000))
         held = owners_now()
