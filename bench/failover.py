@@ -25,9 +25,10 @@ batch stamps; a run's is the wall clock its atomic step records.
 of (fired - due); with Raft on, also the followers' replication lag
 (``durable_raft_replication_lag_seconds``, scraped from each node's ``/metrics`` twice a
 second). Replication throughput (timers a second a leader can replicate) is not measured:
-no metric says how many timers a standby holds. ``idle``: CPU of each idle node over ``--idle-s``. ``memory``: RSS of
-each node with ``--timers`` loaded, against idle (with Raft on, the standby wheels add to
-it). The machine is shared and has 2 cores: the load average is printed with every figure.
+no metric says how many timers a standby holds. ``idle``: CPU of each idle node over
+``--idle-s``. ``memory``: RSS of each node with ``--timers`` loaded, against idle (with
+Raft on, the standby wheels add to it). The machine is shared and has 2 cores: the load
+average is printed with every figure.
 """
 
 from __future__ import annotations
