@@ -125,6 +125,7 @@ def overview_data(
     """
     conf = get_settings()
     db = conf.DATABASE
+    raft = status.raft_view(db, now_ms, conf.LEASE_TTL_S)
     shards = [
         {
             "shard": s.shard,
@@ -133,6 +134,7 @@ def overview_data(
             "live": s.live,
             "lag_ms": s.lag_ms,
             "lag": None if s.lag_ms is None else base.duration(s.lag_ms / 1000),
+            "raft": raft.get(s.shard),  # Raft on: leader, term, followers
         }
         for s in status.shards(db, now_ms)
     ]
@@ -141,6 +143,7 @@ def overview_data(
         "shards": shards,
         "owned": sum(1 for s in shards if s["live"]),
         "max_lag": max((s["lag_ms"] for s in shards if s["lag_ms"] is not None), default=None),
+        "raft": bool(raft),
     }
     if "timers" in sections:
         pending = admin_queries.pending_by_shard(db, conf.SHARDS)

@@ -23,16 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from durable.raft.config import RaftConfig
+from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
 from durable.raft.standby import StandbyWheel
 from durable.raft.state import BadBatch, ShardState
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.raft")
 
-MAX_COMMAND_ENTRIES = 5_000
+MAX_COMMAND_ENTRIES = 1_000
 """Largest number of timer entries in one Raft command (a rebuild of a million timers
 is replicated as many commands, so no one message blocks the group's heartbeats)."""
+
+DRAIN_PER_TICK = 2_000
+"""Most timer entries the sidecar appends per tick (40,000/s at the default 50 ms tick),
+so replicating a big rebuild never crowds out the fire path for the interpreter."""
 
 BALANCE_STEP = 8
 """Most leaderships one balancing round hands over."""
@@ -56,7 +60,7 @@ def _consumer_class() -> type:
             super().__init__()
             self.state = ShardState()
 
-        @replicated  # type: ignore[misc]
+        @replicated  # type: ignore[untyped-decorator]
         def apply(self, batch: Any) -> None:
             try:
                 applied = self.state.apply(batch)
@@ -115,7 +119,7 @@ class GroupSet:
     def start(self) -> None:
         """Build every group (binding its port) and start the sidecar thread."""
         import pysyncobj.syncobj as syncobj_module
-        from pysyncobj import SyncObj, SyncObjConf
+        from pysyncobj import SyncObj, SyncObjConf, SyncObjException
 
         from durable.raft.transport import transport_class
 
@@ -127,6 +131,8 @@ class GroupSet:
             )
         consumer_class = _consumer_class()
         c = self.config
+        for shard in self.shards:
+            check_bindable(c.group_address(c.bind, shard), shard)
         for shard in self.shards:
             low, high = election_window(c, shard)
             conf = SyncObjConf(
@@ -146,16 +152,35 @@ class GroupSet:
                 # The journal lives in memory: what it loses, the rows still have.
                 journalFile=None,
                 fullDumpFile=None,
+                # pysyncobj without autoTick retries a failed bind in a busy loop for
+                # ever (maxBindRetries 0): give up after ~5 s with a clear error.
+                bindRetryTime=0.2,
+                maxBindRetries=25,
             )
             consumer = consumer_class(shard, self.now_ms)
-            syncobj = SyncObj(
-                c.group_address(c.self_addr, shard),
-                [c.group_address(p, shard) for p in c.peers],
-                conf,
-                consumers=[consumer],
-                transportClass=transport_class(c.bind_host, shard),
-            )
+            try:
+                syncobj = SyncObj(
+                    c.group_address(c.self_addr, shard),
+                    [c.group_address(p, shard) for p in c.peers],
+                    conf,
+                    consumers=[consumer],
+                    transportClass=transport_class(c.bind_host, shard),
+                )
+            except SyncObjException as exc:
+                self.stop()
+                address = c.group_address(c.bind, shard)
+                raise RaftBindError(
+                    f"Raft: cannot listen on {address} (shard {shard}'s group): is the port "
+                    "in use, or the host not one of this machine's addresses? "
+                    "(DURABLE['RAFT']['BIND'] / --raft-bind)"
+                ) from exc
             self.groups[shard] = Group(shard, syncobj, consumer)
+        # The first election timeout counts as "a leader was known": a node just started
+        # waits that long for its groups to elect before the lease rules take shards
+        # (else every start took shards by the lease rules, then handed them over).
+        started = time.monotonic()
+        for group in self.groups.values():
+            group.leader_seen = started
         self._thread = threading.Thread(target=self._run, name="durable-raft", daemon=True)
         self._thread.start()
         event(
@@ -190,26 +215,35 @@ class GroupSet:
             self.stop_event.wait(max(0.0, tick - (time.monotonic() - started)))
 
     def _turn(self, now: float) -> None:
+        budget = [DRAIN_PER_TICK]
         for group in self.groups.values():
             group.syncobj.doTick(0.0)
-            self._drain(group)
+            self._drain(group, budget)
             self._observe(group, now)
         if self.config.balance_s and now >= self._next_balance:
             self._next_balance = now + self.config.balance_s
             self._balance(now)
 
-    def _drain(self, group: Group) -> None:
-        while True:
+    def _drain(self, group: Group, budget: list[int]) -> None:
+        # At most DRAIN_PER_TICK entries per tick over all groups: replicating a rebuild
+        # of tens of thousands of timers at once held the GIL the fire path needs.
+        while budget[0] > 0:
             try:
                 batch = group.outbox.get_nowait()
             except queue.Empty:
                 return
             if group.syncobj._isLeader():  # a node that lost leadership drops its news
                 group.consumer.apply(batch)
+                budget[0] -= 1 + len(batch["add"]) + len(batch["remove"])
 
     def _observe(self, group: Group, now: float) -> None:
         node = group.syncobj._getLeader()
         leader = self._base_of(node.address, group.shard) if node is not None else None
+        # pysyncobj keeps naming a dead leader while this node is connected to no one
+        # (it only stands for election when connected to someone): a leader we have no
+        # connection to is no leader, or a lone survivor never falls back to the leases.
+        if leader not in (None, self.config.self_addr) and not group.syncobj.isNodeConnected(node):
+            leader = None
         if leader is not None:
             group.leader_seen = now
         if leader != group.leader:
@@ -329,24 +363,6 @@ class GroupSet:
                 "standby": len(group.consumer.standby),
             }
         return out
-
-
-def election_window(config: RaftConfig, shard: int) -> tuple[float, float]:
-    """This node's election timeout range in shard ``shard``'s group.
-
-    ``ELECTION_TIMEOUT_S`` is cut into one slice per node, and each group ranks the nodes
-    in a rotation of their sorted addresses (shard ``s`` starts at node ``s mod n``): the
-    node ranked first times out first. With fully random timeouts in one shared range,
-    the two survivors of a killed leader often stood for election together, split the
-    vote and tried again (up to 3.3 s in the SIGKILL test, on a loaded machine); with
-    slices, the next in rank wins at once, and at start-up the leaderships come out
-    spread evenly across the nodes without any transfer.
-    """
-    nodes = sorted({config.self_addr, *config.peers})
-    rank = (nodes.index(config.self_addr) - shard) % len(nodes)
-    step = (config.election_max_s - config.election_min_s) / len(nodes)
-    low = config.election_min_s + rank * step
-    return low, low + step * 0.7
 
 
 def _node(address: str) -> Any:

@@ -192,3 +192,24 @@ def retention(
         past = retention_store.past_retention(db, now_ms, days, what, cap=cap)
         out.append(RetentionStatus(label, key, days, past, cap))
     return out
+
+
+def raft_view(db: str, now_ms: int, ttl_s: float) -> dict[int, dict[str, Any]]:
+    """Per shard, the Raft groups as the live workers publish them (``WorkerNode.raft``):
+    ``leader`` (the worker that says it leads, at the highest term), ``term`` and
+    ``followers`` (workers that follow). Empty when no live worker runs Raft."""
+    since = ms_to_dt(now_ms) - timedelta(seconds=ttl_s)
+    live = WorkerNode.objects.using(db).filter(heartbeat_at__gte=since, stopped_at__isnull=True)
+    out: dict[int, dict[str, Any]] = {}
+    for name, view in live.values_list("name", "raft"):
+        for key, row in (view or {}).items():
+            shard = out.setdefault(int(key), {"leader": None, "term": 0, "followers": []})
+            term = int(row.get("term") or 0)
+            if row.get("role") == "leader" and term >= shard["term"]:
+                shard["leader"], shard["term"] = name, term
+            elif row.get("role") == "follower":
+                shard["followers"].append(name)
+            shard["term"] = max(shard["term"], term)
+    for shard in out.values():
+        shard["followers"].sort()
+    return out

@@ -92,7 +92,7 @@ def cluster(transactional_db, durable_settings, tmp_path: Path) -> Iterator[Raft
         database_url=database_url(connection.settings_dict), log_dir=log_dir, defaults=True
     )
     # Base ports apart from other test runs on this machine (shard s: base + s).
-    base = random.randrange(21_000, 40_000, 400)
+    base = random.randrange(20_000, 32_000, 400)  # below the ephemeral ports (32768+)
     try:
         yield RaftCluster(pool, base)
     finally:
@@ -270,7 +270,7 @@ def test_full_restart_fires_everything_from_the_rows(cluster, record_property):
         cluster.start(name)
     cluster.pool.wait_until(
         lambda: fired_count("f") >= len(keys),
-        timeout_s=LEASE_TTL_S + 30,
+        timeout_s=LEASE_TTL_S + 60,
         what="every timer fired after the restart",
         explain=lambda: progress("f"),
     )
@@ -300,7 +300,7 @@ def test_a_node_with_the_wrong_password_is_refused_and_injects_nothing(cluster):
             pool.workers["r1"].events("raft.peer_refused")
             and pool.workers["r2"].events("raft.peer_refused")
         ),
-        timeout_s=20,
+        timeout_s=45,
         what="r1 and r2 logging the refused peer",
     )
     # r3 never heard from a leader: its published view knows none in any group, and no

@@ -30,6 +30,7 @@ BAD = [
     ("HANDLER_TIMEOUT_S", float("nan"), "durable.E003"),
     ("SHUTDOWN_GRACE_S", -1, "durable.E003"),
     ("IMPORTS", "myapp.tasks", "durable.E003"),
+    ("RAFT", "on", "durable.E020"),
     ("LEASE_TTL_S", -1, "durable.E003"),
     ("LEASE_TTL_S", "10", "durable.E003"),
     ("RESCAN_INTERVAL_S", 0, "durable.E003"),

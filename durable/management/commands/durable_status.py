@@ -20,6 +20,7 @@ def collect(now_ms: int) -> dict[str, Any]:
     db = conf.DATABASE
     pending = status.pending_by_shard(db)
     failed_count, failed = status.failed_timers(db, limit=10)
+    raft = status.raft_view(db, now_ms, conf.LEASE_TTL_S)
     return {
         "shards": [
             {
@@ -29,6 +30,8 @@ def collect(now_ms: int) -> dict[str, Any]:
                 "live": s.live,
                 "lag_ms": s.lag_ms,
                 "pending": pending.get(s.shard, 0),
+                # Raft on: the group's leader, term and followers (None when off)
+                "raft": raft.get(s.shard),
             }
             for s in status.shards(db, now_ms)
         ],
@@ -125,12 +128,19 @@ class Command(BaseCommand):
             beat = w["heartbeat_at"]
             out(f"  {w['name']:<30} {state:<5} shards={w['shards']:<3} heartbeat {beat}")
         out(f"shards: {len(owned)} owned / {len(data['shards'])}")
-        out(f"  {'shard':>5} {'owner':<30} {'token':>6} {'lag ms':>8} {'pending':>9}")
+        raft = any(s["raft"] for s in data["shards"])
+        head = f"  {'shard':>5} {'owner':<30} {'token':>6} {'lag ms':>8} {'pending':>9}"
+        out(head + ("  raft leader (term) / followers" if raft else ""))
         for s in data["shards"]:
             lag = "-" if s["lag_ms"] is None else s["lag_ms"]
+            group = s["raft"]
+            extra = ""
+            if group:
+                extra = f"  {group['leader'] or '(none)'} ({group['term']}) / "
+                extra += ",".join(group["followers"]) or "-"
             out(
                 f"  {s['shard']:>5} {s['owner'] or '(free)':<30} {s['token']:>6} {lag:>8} "
-                f"{s['pending']:>9}"
+                f"{s['pending']:>9}{extra}"
             )
         r = data["recent"]
         lat = r["lateness_ms"]

@@ -134,7 +134,12 @@ class Command(BaseCommand):
             f"{options['threads']} handler threads, database {conf.DATABASE!r} "
             "(Ctrl-C stops cleanly)"
         )
-        engine.run(duration_s=options["duration"])
+        from durable.raft.groups import RaftBindError
+
+        try:
+            engine.run(duration_s=options["duration"])
+        except RaftBindError as exc:
+            raise CommandError(str(exc)) from None
         self.stdout.write(f"durable worker {engine.node} stopped")
 
     def serve_metrics(self, metrics: WorkerMetrics, port: int, host: str) -> None:
