@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from durable.models import ShardLease, WorkerNode
+from durable.models import ShardLease, Timer, WorkerNode
 from durable.testing.nodes import Worker, raft_unavailable_reason
 from durable.testing.raftproxy import ProxiedNode, RaftProxy, loopback_nodes
-from tests.acceptance.helpers import WorkerPool, database_url
+from tests.acceptance.helpers import WorkerPool, database_url, fired_count, progress
 
 PASSWORD = "acceptance-raft-password"  # a throwaway cluster on loopback only
 
@@ -84,6 +84,17 @@ def spread_over(names: list[str], shards: int) -> bool:
     """True when every shard has an owner and every node in ``names`` holds some."""
     owners = held()
     return sum(map(len, owners.values())) == shards and set(names) <= set(owners)
+
+
+def wait_all_fired(pool: WorkerPool, prefix: str, count: int, names: list[str]) -> None:
+    """Wait (90 s at most) until ``count`` records of ``prefix`` exist and nothing is pending."""
+    pool.wait_until(
+        lambda: fired_count(prefix) >= count and not Timer.objects.filter(state="pending").exists(),
+        timeout_s=90,
+        what=f"all {count} {prefix!r} timers fired",
+        require_alive=names,
+        explain=lambda: progress(prefix),
+    )
 
 
 def raft_views(names: list[str]) -> dict[str, dict[int, dict[str, object]]]:

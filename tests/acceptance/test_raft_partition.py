@@ -24,7 +24,6 @@ from tests.acceptance.helpers import (
     fired_count,
     metric,
     now_ms,
-    progress,
 )
 from tests.acceptance.raft_cluster import (
     acquired_at_ms,
@@ -35,6 +34,7 @@ from tests.acceptance.raft_cluster import (
     raft_views,
     skip_without_raft,
     spread_over,
+    wait_all_fired,
 )
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -118,15 +118,7 @@ def test_partitioned_owner_loses_its_shards_fast_and_commits_nothing_after(
             ),
         )
         metric(record_property, "partition_rejoined_as_follower_s", round(rejoin_s, 2))
-        pool.wait_until(
-            lambda: (
-                fired_count("p") >= COUNT and not Timer.objects.filter(state="pending").exists()
-            ),
-            timeout_s=90,
-            what=f"all {COUNT} timers fired",
-            require_alive=names,
-            explain=lambda: progress("p"),
-        )
+        wait_all_fired(pool, "p", COUNT, names)
         pool.wait_until(
             lambda: spread_over(names, SHARDS),
             timeout_s=60,

@@ -16,7 +16,6 @@ import pytest
 from django.db import connection
 
 import durable
-from durable.models import Timer
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 from tests.acceptance.helpers import (
@@ -25,7 +24,6 @@ from tests.acceptance.helpers import (
     fired_count,
     metric,
     now_ms,
-    progress,
 )
 from tests.acceptance.raft_cluster import (
     at,
@@ -34,6 +32,7 @@ from tests.acceptance.raft_cluster import (
     raft_cluster,
     skip_without_raft,
     spread_over,
+    wait_all_fired,
 )
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -110,15 +109,7 @@ def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path
             writer.join()
         count = written[0]
         assert not behind, f"the writer fell behind the load (chunk, ms late): {behind[:5]}"
-        pool.wait_until(
-            lambda: (
-                fired_count("r") >= count and not Timer.objects.filter(state="pending").exists()
-            ),
-            timeout_s=90,
-            what=f"all {count} timers fired",
-            require_alive=names,
-            explain=lambda: progress("r"),
-        )
+        wait_all_fired(pool, "r", count, names)
 
     assert_exactly_once((f"r{i}" for i in range(count)), "r", pool)
     rows = list(
