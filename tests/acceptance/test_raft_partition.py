@@ -28,6 +28,7 @@ from tests.acceptance.helpers import (
 from tests.acceptance.raft_cluster import (
     acquired_at_ms,
     at,
+    check_timing,
     held,
     led_by_owners,
     raft_cluster,
@@ -40,7 +41,7 @@ from tests.acceptance.raft_cluster import (
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 COUNT, LEAD_MS, SPREAD_MS = 6_000, 3_000, 20_000
-TAKEOVER_S = 2.0
+TAKEOVER_MS = 2_000
 
 
 def test_partitioned_owner_loses_its_shards_fast_and_commits_nothing_after(
@@ -144,4 +145,4 @@ def test_partitioned_owner_loses_its_shards_fast_and_commits_nothing_after(
     assert not late, f"{victim} committed under its old token after the takeover: {late[:10]}"
     worst = max(taken_at.values()) - cut_ms
     metric(record_property, "partition_last_takeover_logged_ms", worst)
-    assert took <= TAKEOVER_S, f"the majority took {took:.2f}s (target {TAKEOVER_S}s)"
+    check_timing("the majority taking the partitioned node's shards", took * 1000, TAKEOVER_MS)

@@ -27,6 +27,7 @@ from tests.acceptance.helpers import (
 )
 from tests.acceptance.raft_cluster import (
     at,
+    check_timing,
     held,
     led_by_owners,
     raft_cluster,
@@ -48,6 +49,7 @@ def due(first_due: int, i: int) -> int:
     return first_due + i * 1000 // RATE
 
 
+@pytest.mark.timeout(900)
 def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path, record_property):
     skip_without_raft()
     names = ["n1", "n2", "n3"]
@@ -109,7 +111,9 @@ def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path
             writer.join()
         count = written[0]
         assert not behind, f"the writer fell behind the load (chunk, ms late): {behind[:5]}"
-        wait_all_fired(pool, "r", count, names)
+        # Correctness first: everything fires, however far behind an overloaded machine
+        # left the cluster (the 1 s bound is the timing check below).
+        wait_all_fired(pool, "r", count, names, timeout_s=60 + count / 500)
 
     assert_exactly_once((f"r{i}" for i in range(count)), "r", pool)
     rows = list(
@@ -119,5 +123,5 @@ def test_rolling_restart_under_2000_fires_per_second_fires_nothing_late(tmp_path
     metric(record_property, "rolling_restarts", restarts)
     metric(record_property, "rolling_p99_ms", lateness[int(len(lateness) * 0.99) - 1])
     metric(record_property, "rolling_max_ms", lateness[-1])
-    late = sum(1 for x in lateness if x > MAX_LATENESS_MS)
-    assert not late, f"{late} fires later than {MAX_LATENESS_MS} ms (worst {lateness[-1]} ms)"
+    metric(record_property, "rolling_later_than_1s", sum(1 for x in lateness if x > 1_000))
+    check_timing("the latest fire through the rolling restart", lateness[-1], MAX_LATENESS_MS)
