@@ -10,7 +10,6 @@ early, and nothing committed under a token its node no longer held.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import time
@@ -38,6 +37,7 @@ from tests.acceptance.helpers import (
     owned_by,
     progress,
 )
+from tests.acceptance.raft_cluster import check_timing
 
 pytestmark = [
     pytest.mark.acceptance,
@@ -124,22 +124,6 @@ def schedule(prefix: str, count: int, first_ms: int, spread_ms: int, far: int = 
             {"fn": probes.record, "args": [f"far{i}"], "at": at(later + i)} for i in range(far)
         )
     return keys
-
-
-def check_timing(what: str, value_ms: float, limit_ms: float) -> None:
-    """Assert a timing target, unless the machine is overloaded (then xfail, saying so).
-
-    The correctness checks (nothing lost, doubled or early; nothing under an old token)
-    always hold; a failover deadline on a machine whose load average is several times
-    its cores measures the machine (Raft heartbeats share the CPU with everything).
-    """
-    load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    if value_ms <= limit_ms:
-        return
-    if load > 1.5 * cores:
-        pytest.xfail(f"{what}: {value_ms:.0f} ms > {limit_ms:.0f} ms at load {load:.1f}/{cores}")
-    raise AssertionError(f"{what}: {value_ms:.0f} ms > {limit_ms:.0f} ms (load {load:.1f})")
 
 
 def worst_lateness_after(prefix: str, since_ms: int) -> int:
