@@ -7,9 +7,10 @@
 
 Issue 16: crossing a level-3 boundary (every 4.66 h) used to move every loaded timer past it
 in one ``advance``, and shards, whose boundaries coincide, stalled together. This runs the
-wheel before the change (``bench/wheel_before``, main at 6e4453b) and after it, in one
-process, on the same timers: ``--n`` timers uniform over a runner's 70-minute horizon
-(``HORIZON_BUCKETS`` = 64 buckets of 65.5 s), the level-3 boundary 30 minutes in.
+wheel before the change (main at 6e4453b, read from git by ``bench/_wheel_at.py``) and
+after it, in one process, on the same timers: ``--n`` timers uniform over a runner's
+70-minute horizon (``HORIZON_BUCKETS`` = 64 buckets of 65.5 s), the level-3 boundary 30
+minutes in.
 
 1. **CPU, every advance.** A runner's schedule: one ``advance`` every 10 ms over the 70
    minutes. The CPU time of each call is kept, best of ``--repeat`` runs per call (so a
@@ -43,8 +44,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.wheel_before import TimingWheel as WheelBefore
+from bench._wheel_at import load_wheel
 from durable.core.wheel import TimingWheel
+
+BEFORE_REV = "6e4453b"  # main before issue 16's bounded advance
+WheelBefore = load_wheel(BEFORE_REV).TimingWheel
 
 START_MS = 1_700_000_000_123
 MINUTE = 60_000
