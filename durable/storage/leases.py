@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import F, Q
 
 from durable.exceptions import LeaseLost
@@ -143,19 +144,27 @@ def end_frozen_holders(db: str, shards: Iterable[int], idle_s: float) -> list[in
     if not shards or conn.vendor != "postgresql":
         return []
     marks = ", ".join(["%s"] * len(shards))
-    with conn.cursor() as cursor:
-        cursor.execute(
-            "SELECT a.pid, pg_terminate_backend(a.pid) FROM durable_shardlease l "
-            "JOIN pg_locks k ON k.locktype = 'transactionid' AND k.granted "
-            "AND k.mode = 'ExclusiveLock' AND k.transactionid = l.xmax "
-            "JOIN pg_stat_activity a ON a.pid = k.pid "
-            f"WHERE l.shard IN ({marks}) AND a.pid <> pg_backend_pid() "
-            "AND a.state = 'idle in transaction' AND EXISTS (SELECT 1 FROM pg_locks r "
-            "WHERE r.pid = a.pid AND r.relation = 'durable_shardlease'::regclass) "
-            "AND a.state_change <= clock_timestamp() - make_interval(secs => %s)",
-            [*shards, idle_s],
-        )
-        return sorted({pid for pid, _ in cursor.fetchall()})
+    try:
+        with transaction.atomic(using=db), conn.cursor() as cursor:
+            return _terminate_holders(cursor, shards, marks, idle_s)
+    except DatabaseError:  # not allowed to end that session (another role): wait for it
+        return []
+
+
+def _terminate_holders(cursor: Any, shards: list[int], marks: str, idle_s: float) -> list[int]:
+    """The statement of :func:`end_frozen_holders`: find the holders and end them."""
+    cursor.execute(
+        "SELECT a.pid, pg_terminate_backend(a.pid) FROM durable_shardlease l "
+        "JOIN pg_locks k ON k.locktype = 'transactionid' AND k.granted "
+        "AND k.mode = 'ExclusiveLock' AND k.transactionid = l.xmax "
+        "JOIN pg_stat_activity a ON a.pid = k.pid "
+        f"WHERE l.shard IN ({marks}) AND a.pid <> pg_backend_pid() "
+        "AND a.state = 'idle in transaction' AND EXISTS (SELECT 1 FROM pg_locks r "
+        "WHERE r.pid = a.pid AND r.relation = 'durable_shardlease'::regclass) "
+        "AND a.state_change <= clock_timestamp() - make_interval(secs => %s)",
+        [*shards, idle_s],
+    )
+    return sorted({pid for pid, _ in cursor.fetchall()})
 
 
 def renew(

@@ -40,6 +40,7 @@ _SQL = (
 
 _highest: dict[str, int] = {}
 _lock = threading.Lock()
+_warned = False
 
 
 class StalePrimaryError(OperationalError):
@@ -51,9 +52,20 @@ def read_position(connection: Any) -> tuple[str, int] | None:
     standby (it refuses writes anyway) or a database that is not PostgreSQL."""
     if connection.vendor != "postgresql":
         return None
-    with connection.connection.cursor() as cursor:  # the raw driver: no Django wrappers
-        cursor.execute(_SQL)
-        system, in_recovery, walfile = cursor.fetchone()
+    try:
+        with connection.connection.cursor() as cursor:  # the raw driver: no Django wrappers
+            cursor.execute(_SQL)
+            system, in_recovery, walfile = cursor.fetchone()
+    except Exception as exc:  # a managed server may refuse these functions: no guard then
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning(
+                "database.timeline_unknown error=%s: the worker cannot tell an old primary "
+                "that came back from the current one on this server",
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+        return None
     if in_recovery or not walfile:
         return None
     return str(system), int(walfile[:8], 16)
