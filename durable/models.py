@@ -70,9 +70,22 @@ class Timer(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     fired_at = models.DateTimeField(null=True, blank=True)
+    # NULL (not "") for "no key": the partial index below then holds only keyed rows.
+    concurrency_key = models.CharField(  # noqa: DJ001
+        max_length=255, null=True, blank=True, help_text="its handler's concurrency key"
+    )
+    queued_ms = models.BigIntegerField(
+        null=True, blank=True, help_text="in line for a concurrency slot: its place (due time)"
+    )
 
     class Meta:
         indexes = [
+            # Admission: a key's running and waiting timers (durable.storage.concurrency).
+            models.Index(
+                fields=["concurrency_key", "state"],
+                name="durable_timer_conc_idx",
+                condition=Q(concurrency_key__isnull=False),
+            ),
             models.Index(
                 fields=["parent"],
                 name="durable_timer_parent_idx",
@@ -372,3 +385,8 @@ class WorkflowSignal(models.Model):
 
     def __str__(self) -> str:
         return f"signal {self.name} → {self.run_id}"
+
+
+# Kept in a module of its own (models.py stays under the size limit); imported here so
+# Django and ``durable.models.ConcurrencyKey`` find it.
+from durable.limits import ConcurrencyKey as ConcurrencyKey  # noqa: E402

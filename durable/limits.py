@@ -1,0 +1,27 @@
+"""The row that holds one concurrency key: its lock, and the limit last seen for it.
+
+Admission to a key (:mod:`durable.storage.concurrency`) locks this row, so two
+transactions never decide about the same key at once: out-of-order commits cannot admit
+more than the limit. The row is created on first use and never deleted (a key is a few
+bytes; deleting it would race with the next admission's insert).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ConcurrencyKey(models.Model):
+    """One concurrency key of a handler: ``"<handler dotted name>:<key>"``."""
+
+    name = models.CharField(max_length=255, primary_key=True)
+    max_concurrency = models.PositiveIntegerField(
+        help_text="max_concurrency of its handler when last admitted to (what a finish reads)"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        app_label = "durable"
+
+    def __str__(self) -> str:
+        return f"{self.name} (max {self.max_concurrency})"
