@@ -1,4 +1,4 @@
-"""The row that holds one concurrency key: its lock, and the limit last seen for it.
+"""The row that holds one concurrency key: its lock, its limits, its rate's log.
 
 Admission to a key (:mod:`durable.storage.concurrency`) locks this row, so two
 transactions never decide about the same key at once: out-of-order commits cannot admit
@@ -16,7 +16,13 @@ class ConcurrencyKey(models.Model):
 
     name = models.CharField(max_length=255, primary_key=True)
     max_concurrency = models.PositiveIntegerField(
-        help_text="max_concurrency of its handler when last admitted to (what a finish reads)"
+        null=True, blank=True, help_text="its handler's max_concurrency when last admitted to"
+    )
+    rate_limit = models.CharField(
+        max_length=20, blank=True, default="", help_text="its handler's rate_limit ('' none)"
+    )
+    recent = models.JSONField(
+        default=list, blank=True, help_text="epoch ms of its last starts (the rate's window)"
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -24,4 +30,4 @@ class ConcurrencyKey(models.Model):
         app_label = "durable"
 
     def __str__(self) -> str:
-        return f"{self.name} (max {self.max_concurrency})"
+        return self.name

@@ -80,11 +80,17 @@ class Timer(models.Model):
 
     class Meta:
         indexes = [
-            # Admission: a key's running and waiting timers (durable.storage.concurrency).
+            # Concurrency keys (durable.storage.concurrency): a key's running timers, and
+            # its line (parked at PARKED_MS, or woken and not started yet) in order.
             models.Index(
                 fields=["concurrency_key", "state"],
                 name="durable_timer_conc_idx",
                 condition=Q(concurrency_key__isnull=False),
+            ),
+            models.Index(
+                fields=["concurrency_key", "fire_at_ms", "queued_ms", "id"],
+                name="durable_timer_line_idx",
+                condition=Q(state="pending", queued_ms__isnull=False),
             ),
             models.Index(
                 fields=["parent"],

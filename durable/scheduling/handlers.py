@@ -31,6 +31,7 @@ def handler(
     give_up_on: Any = None,
     concurrency_key: Any = None,
     max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -46,6 +47,7 @@ def handler(
     give_up_on: Any = None,
     concurrency_key: Any = None,
     max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Any:
     """Register a module-level function as a timer handler; return it unchanged.
 
@@ -74,7 +76,10 @@ def handler(
       fixed ``str`` or a callable given the call's arguments that returns one
       (evaluated by ``schedule()``). Timers over the limit wait, in the order they came
       due, and the oldest is made due when a running one finishes (docs: how-to
-      "Limit concurrency per key").
+      "Limit concurrency and rate per key").
+    - ``rate_limit`` (with ``concurrency_key``): ``"N/s"``, ``"N/m"`` or ``"N/h"``, at
+      most N attempts start per key in any window of that length, across the cluster;
+      the others wait in the same line, the first due when the window has room.
 
     Bad options raise ``TypeError``/``ValueError`` naming the argument, at decoration time.
     """
@@ -84,7 +89,7 @@ def handler(
     timeout_s = check_timeout(timeout)
     retry = check_exceptions(retry_on, "retry_on")
     give_up = check_exceptions(give_up_on, "give_up_on")
-    limit = concurrency.policy(concurrency_key, max_concurrency)
+    limit = concurrency.policy(concurrency_key, max_concurrency, rate_limit)
     # Settings are read only for a timedelta: decorators run at import, and a handler
     # module should not need configured settings unless it asks for them.
     policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None

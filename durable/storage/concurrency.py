@@ -27,6 +27,7 @@ from typing import Any
 
 from django.db import connections
 
+from durable.core.ratelimit import Rate, parse_rate
 from durable.core.sharding import bucket_of
 from durable.limits import ConcurrencyKey
 from durable.models import TimerState
@@ -39,44 +40,78 @@ PARKED_MS = 253_402_300_799_999
 _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
+#: A handler's ``(max_concurrency, rate)``: either may be ``None`` (no such limit).
+Limits = tuple[int | None, Rate | None]
+
 #: (shard, timer id, fire_at_ms) of a timer made due, for the owner's wheel.
 Woken = tuple[int, int, int]
 
 
-def admit(db: str, limits: Mapping[int, int], now_ms: int, bucket_shift: int) -> set[int]:
-    """Decide admission for a batch's keyed timers; park those over their key's limit.
+class _Key:
+    """One locked key's limits and state while a transaction decides for it."""
 
-    ``limits`` maps each due, counted timer of a limited handler to its
-    ``max_concurrency``. Returns the ids parked (their counted attempt given back); the
-    others may fire. A row firing already (a claim re-run after its worker died) holds
-    its slot and is always admitted. Call inside the batch's fenced transaction.
+    def __init__(self, limit: int | None, rate: Rate | None, log: list[int]) -> None:
+        self.limit = limit
+        self.rate = rate
+        self.log = log
+        self.logged = False  # the log changed: write it back
+
+    def free(self, active: int, reserved: int) -> float:
+        """Slots free for new starts (infinite without ``max_concurrency``)."""
+        return INFINITE if self.limit is None else self.limit - active - reserved
+
+    def room(self, now_ms: int) -> float:
+        """Starts the rate allows at ``now_ms`` (infinite without a rate)."""
+        return INFINITE if self.rate is None else self.rate.room(self.log, now_ms)
+
+    def started(self, now_ms: int) -> None:
+        if self.rate is not None:
+            self.log = self.rate.record(self.log, now_ms)
+            self.logged = True
+
+
+INFINITE = float("inf")
+
+
+def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int) -> set[int]:
+    """Decide admission for a batch's keyed timers; park those over their key's limits.
+
+    ``limits`` maps each due, counted timer of a limited handler to its limits. Returns
+    the ids parked (their counted attempt given back); the others may fire. A row firing
+    already (a claim re-run after its worker died) holds its slot and was counted by the
+    rate when it first started: it is always admitted. Call inside the batch's fenced
+    transaction.
     """
-    rows = _keyed_rows(db, list(limits))
     by_key: dict[str, list[tuple[Any, ...]]] = {}
-    for row in rows:
+    for row in _keyed_rows(db, list(limits)):
         by_key.setdefault(row[1], []).append(row)
-    key_limits = {key: max(limits[row[0]] for row in group) for key, group in by_key.items()}
-    _lock_keys(db, list(key_limits), key_limits)
+    keys = _lock_keys(db, {key: limits[group[0][0]] for key, group in by_key.items()})
     parked: list[int] = []
     admitted_in_line: list[int] = []
     woken: list[Woken] = []
-    for key in sorted(by_key):
-        group = by_key[key]
-        active, reserved, waiting = _counts(db, key, [row[0] for row in group])
-        free = key_limits[key] - active - reserved
+    for name in sorted(by_key):
+        key, group = keys[name], by_key[name]
+        active, reserved, waiting = _counts(db, name, [row[0] for row in group])
+        free, room = key.free(active, reserved), key.room(now_ms)
         # Firing rows first (they hold a slot), then the line: its place, then id.
         group.sort(key=lambda r: (r[2] != _FIRING, r[3] if r[3] is not None else r[4], r[0]))
+        parked_here = []
         for timer_id, _, state, queued_ms, _fire_at, _shard in group:
             # A timer new to the line goes behind those parked in it already.
-            if state == _FIRING or (free > 0 and (queued_ms is not None or not waiting)):
-                free -= 1
+            in_turn = queued_ms is not None or not waiting
+            if state == _FIRING or (free > 0 and room > 0 and in_turn):
+                if state != _FIRING:
+                    free, room = free - 1, room - 1
+                    key.started(now_ms)
                 if queued_ms is not None:
                     admitted_in_line.append(timer_id)
             else:
-                parked.append(timer_id)
-        if free > 0 and waiting:
-            woken += _wake(db, key, free, now_ms, bucket_shift)
-    _park(db, parked, bucket_shift)
+                parked_here.append(timer_id)
+        _park(db, parked_here, bucket_shift)
+        parked += parked_here
+        waiting += len(parked_here)
+        woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
+    _save_logs(db, keys)
     _leave_line(db, admitted_in_line)
     notify_timers(db, woken)
     return set(parked)
@@ -85,22 +120,48 @@ def admit(db: str, limits: Mapping[int, int], now_ms: int, bucket_shift: int) ->
 def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -> list[Woken]:
     """Wake the oldest parked timers of the keys of ``timer_ids``, which just ended.
 
-    Call in the transaction that records their end, fenced by the keys' shard owner's
-    token. Returns the timers made due (also announced by NOTIFY at commit).
+    Call in the transaction that records their end (or their cancel). Returns the
+    timers made due (also announced by NOTIFY at commit).
     """
-    ids = list(timer_ids)
-    keys = sorted({row[1] for row in _keyed_rows(db, ids)})
-    if not keys:
+    names = sorted({row[1] for row in _keyed_rows(db, list(timer_ids))})
+    if not names:
         return []
-    limits = _lock_keys(db, keys, None)
+    keys = _lock_keys(db, {name: None for name in names})
     woken: list[Woken] = []
-    for key in keys:
-        active, reserved, waiting = _counts(db, key, [])
-        free = limits.get(key, 0) - active - reserved
-        if free > 0 and waiting:
-            woken += _wake(db, key, free, now_ms, bucket_shift)
+    for name, key in sorted(keys.items()):
+        active, reserved, waiting = _counts(db, name, [])
+        counts = (key.free(active, reserved), reserved, waiting)
+        woken += _next_in_line(db, name, key, counts, now_ms, bucket_shift)
     notify_timers(db, woken)
     return woken
+
+
+def _next_in_line(
+    db: str,
+    name: str,
+    key: _Key,
+    counts: tuple[float, int, int],
+    now_ms: int,
+    bucket_shift: int,
+) -> list[Woken]:
+    """Make due the parked timers of ``name`` whose turn it is, oldest first; return them.
+
+    ``counts``: the key's free slots, woken timers not started yet, and parked ones.
+    As many as there are free slots; with a rate, no more than it allows now, or (none
+    allowed now) the first one alone, due when the window has room, and none while a
+    woken one has not started yet (it will call the next when it does).
+    """
+    free, reserved, waiting = counts
+    if waiting <= 0 or free <= 0:
+        return []
+    if key.rate is None:
+        return _wake(db, name, int(free), now_ms, bucket_shift)
+    if reserved:
+        return []
+    room = key.room(now_ms)
+    if room > 0:
+        return _wake(db, name, int(min(free, room)), now_ms, bucket_shift)
+    return _wake(db, name, 1, key.rate.next_ms(key.log), bucket_shift)
 
 
 def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
@@ -117,34 +178,53 @@ def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
         return list(cursor.fetchall())
 
 
-def _lock_keys(db: str, names: list[str], limits: Mapping[str, int] | None) -> dict[str, int]:
-    """Lock the rows of keys ``names`` in name order; return each one's limit.
+def _lock_keys(db: str, policies: Mapping[str, Limits | None]) -> dict[str, _Key]:
+    """Lock the rows of ``policies``' keys in name order and return them.
 
-    With ``limits`` (admission), missing rows are created first and each row's limit is
-    set to the handler's current one; without (a finish), the stored limit is read.
+    A policy (admission) creates a missing row and updates its limits to the handler's
+    current ones; ``None`` (an end) reads the stored ones.
     """
-    names = sorted(names)
-    if limits is not None:
-        new = [ConcurrencyKey(name=name, max_concurrency=limits[name]) for name in names]
+    names = sorted(policies)
+    limits = {name: _limits(policy) for name, policy in policies.items() if policy is not None}
+    if limits:
+        new = [
+            ConcurrencyKey(name=name, max_concurrency=limit, rate_limit=rate)
+            for name, (limit, rate) in sorted(limits.items())
+        ]
         ConcurrencyKey.objects.using(db).bulk_create(new, ignore_conflicts=True)
     rows = ConcurrencyKey.objects.using(db).filter(name__in=names).order_by("name")
     if connections[db].features.has_select_for_update:
         rows = rows.select_for_update()
-    stored = dict(rows.values_list("name", "max_concurrency"))
-    if limits is None:
-        return stored
-    for name in names:
-        if stored.get(name) != limits[name]:
-            ConcurrencyKey.objects.using(db).filter(name=name).update(max_concurrency=limits[name])
-    return dict(limits)
+    keys = {}
+    for name, limit, rate, log in rows.values_list(
+        "name", "max_concurrency", "rate_limit", "recent"
+    ):
+        if name in limits and limits[name] != (limit, rate):
+            limit, rate = limits[name]
+            ConcurrencyKey.objects.using(db).filter(name=name).update(
+                max_concurrency=limit, rate_limit=rate
+            )
+        keys[name] = _Key(limit, parse_rate(rate) if rate else None, list(log or []))
+    return keys
 
 
-def _wake(db: str, key: str, count: int, now_ms: int, bucket_shift: int) -> list[Woken]:
-    """Make the ``count`` oldest parked timers of ``key`` due now; return them."""
+def _limits(limits: Limits) -> tuple[int | None, str]:
+    """As stored: the limit, and the rate's text (``""`` for none)."""
+    return limits[0], "" if limits[1] is None else limits[1].text
+
+
+def _save_logs(db: str, keys: Mapping[str, _Key]) -> None:
+    for name, key in keys.items():
+        if key.logged:
+            ConcurrencyKey.objects.using(db).filter(name=name).update(recent=key.log)
+
+
+def _wake(db: str, key: str, count: int, due_ms: int, bucket_shift: int) -> list[Woken]:
+    """Make the ``count`` oldest parked timers of ``key`` due at ``due_ms``; return them."""
     with statements.cursor(db) as cursor:
         cursor.execute(
             "SELECT id, shard FROM durable_timer WHERE concurrency_key = %s AND state = %s "
-            "AND fire_at_ms >= %s ORDER BY queued_ms, id LIMIT %s",
+            "AND queued_ms IS NOT NULL AND fire_at_ms = %s ORDER BY queued_ms, id LIMIT %s",
             [key, _PENDING, PARKED_MS, count],
         )
         rows = cursor.fetchall()
@@ -154,9 +234,9 @@ def _wake(db: str, key: str, count: int, now_ms: int, bucket_shift: int) -> list
     with statements.cursor(db) as cursor:
         cursor.execute(
             f"UPDATE durable_timer SET fire_at_ms = %s, bucket = %s WHERE {where}",
-            [now_ms, bucket_of(now_ms, bucket_shift), *params],
+            [due_ms, bucket_of(due_ms, bucket_shift), *params],
         )
-    return [(shard, timer_id, now_ms) for timer_id, shard in rows]
+    return [(shard, timer_id, due_ms) for timer_id, shard in rows]
 
 
 def _park(db: str, ids: list[int], bucket_shift: int) -> None:
@@ -183,18 +263,27 @@ def _leave_line(db: str, ids: list[int]) -> None:
 
 
 def _counts(db: str, key: str, exclude: list[int]) -> tuple[int, int, int]:
-    """(active, woken and not yet fired, parked) of ``key``, leaving ``exclude`` out."""
+    """(active, woken and not started yet, 1 if any is parked else 0) of ``key``, leaving
+    ``exclude`` out.
+
+    Each part reads its own index range (``durable_timer_conc_idx`` for the running,
+    ``durable_timer_line_idx`` for the line), never the key's other pending timers: a
+    key with a million timers due next month costs nothing here.
+    """
     vendor = connections[db].vendor
     where, params = statements.in_clause(vendor, exclude or [0])
+    mine = f"FROM durable_timer WHERE concurrency_key = %s AND NOT ({where})"
+    line = f"{mine} AND state = %s AND queued_ms IS NOT NULL"
     sql = (
-        "SELECT "
-        "COALESCE(SUM(CASE WHEN state = %s THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN state = %s AND queued_ms IS NOT NULL AND fire_at_ms < %s "
-        "THEN 1 ELSE 0 END), 0), "
-        "COALESCE(SUM(CASE WHEN state = %s AND fire_at_ms >= %s THEN 1 ELSE 0 END), 0) "
-        f"FROM durable_timer WHERE concurrency_key = %s AND state IN (%s, %s) AND NOT ({where})"
+        f"SELECT (SELECT count(*) {mine} AND state = %s), "
+        f"(SELECT count(*) {line} AND fire_at_ms < %s), "
+        f"(SELECT count(*) FROM (SELECT 1 {line} AND fire_at_ms = %s LIMIT 1) AS parked)"
     )
-    args = [_FIRING, _PENDING, PARKED_MS, _PENDING, PARKED_MS, key, _FIRING, _PENDING, *params]
+    args = [
+        *(key, *params, _FIRING),
+        *(key, *params, _PENDING, PARKED_MS),
+        *(key, *params, _PENDING, PARKED_MS),
+    ]
     with statements.cursor(db) as cursor:
         cursor.execute(sql, args)
         active, reserved, waiting = cursor.fetchone()

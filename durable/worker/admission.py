@@ -1,9 +1,10 @@
-"""The firer's side of concurrency keys: which of a batch's timers a key's limit holds back.
+"""The firer's side of concurrency keys: which of a batch's timers a key's limits hold back.
 
 The decision itself is :func:`durable.storage.concurrency.admit`'s, in the batch's
-fenced transaction. Only external handlers (``atomic=False``) are subject to it: an
-atomic handler starts and finishes inside its batch transaction, on the one thread that
-fires its shard, so no two of a key's atomic handlers ever run at once anyway.
+fenced transaction. ``max_concurrency`` binds external handlers (``atomic=False``) only:
+an atomic handler starts and finishes inside its batch transaction, on the one thread
+that fires its shard, so no two of a key's atomic handlers ever run at once anyway.
+``rate_limit`` binds both.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ def admit(
     Only timers whose attempt was counted for this batch are decided on; a held suspect
     or an uncounted timer is left as it is (the firer deals with them).
     """
-    limits = {}
+    limits: dict[int, concurrency.Limits] = {}
     for timer in due:
         if timer.kind != "handler" or timer.id not in counted.ids or timer.id in counted.held:
             continue
         spec = lookup(timer.target)
-        if spec is not None and spec.concurrency is not None and not spec.atomic:
-            limits[timer.id] = spec.concurrency.max_concurrency
+        policy = None if spec is None else spec.concurrency
+        # An atomic handler's attempts never overlap (see the module docstring): only its
+        # rate needs deciding.
+        if policy is not None and (policy.rate is not None or not spec.atomic):
+            limits[timer.id] = (policy.max_concurrency, policy.rate)
     if not limits:
         return due
     parked = concurrency.admit(db, limits, now_ms, bucket_shift)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import durable
+from testproject.demo.models import FireRecord
 
 #: ``n`` of each ``gated`` call, in the order they started.
 STARTED: list[int] = []
@@ -37,3 +38,16 @@ def bad_key(account: str, n: int) -> object:
 @durable.handler(atomic=False, concurrency_key=bad_key, max_concurrency=1)
 def badly_keyed(account: str, n: int) -> None:
     """Never fired: its key callable is what the tests exercise."""
+
+
+def by_key(key: str, n: int) -> str:
+    """The concurrency key of a ``rated`` call."""
+    return key
+
+
+@durable.handler(concurrency_key=by_key, rate_limit="100/s")
+def rated(key: str, n: int) -> None:
+    """Atomic: one ``FireRecord`` per call, stamped with the batch's time."""
+    fire = durable.current_fire()
+    assert fire is not None
+    FireRecord.objects.create(key=f"{key}:{n}", fired_at_ms=fire.fired_ms)
