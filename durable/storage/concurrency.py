@@ -22,6 +22,7 @@ Lock order: timer rows (the batch's, or the completing one), then key rows by na
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -86,12 +87,13 @@ def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int)
     for row in _keyed_rows(db, list(limits)):
         by_key.setdefault(row[1], []).append(row)
     keys = _lock_keys(db, {key: limits[group[0][0]] for key, group in by_key.items()})
+    counts = _counts(db, sorted(by_key), list(limits))
     parked: list[int] = []
     admitted_in_line: list[int] = []
     woken: list[Woken] = []
     for name in sorted(by_key):
         key, group = keys[name], by_key[name]
-        active, reserved, waiting = _counts(db, name, [row[0] for row in group])
+        active, reserved, waiting = counts[name]
         free, room = key.free(active, reserved), key.room(now_ms)
         # Firing rows first (they hold a slot), then the line: its place, then id.
         group.sort(key=lambda r: (r[2] != _FIRING, r[3] if r[3] is not None else r[4], r[0]))
@@ -128,10 +130,11 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
         return []
     keys = _lock_keys(db, {name: None for name in names})
     woken: list[Woken] = []
+    counts = _counts(db, sorted(keys), [])
     for name, key in sorted(keys.items()):
-        active, reserved, waiting = _counts(db, name, [])
-        counts = (key.free(active, reserved), reserved, waiting)
-        woken += _next_in_line(db, name, key, counts, now_ms, bucket_shift)
+        active, reserved, waiting = counts[name]
+        free = (key.free(active, reserved), reserved, waiting)
+        woken += _next_in_line(db, name, key, free, now_ms, bucket_shift)
     notify_timers(db, woken)
     return woken
 
@@ -182,30 +185,52 @@ def _lock_keys(db: str, policies: Mapping[str, Limits | None]) -> dict[str, _Key
     """Lock the rows of ``policies``' keys in name order and return them.
 
     A policy (admission) creates a missing row and updates its limits to the handler's
-    current ones; ``None`` (an end) reads the stored ones.
+    current ones; ``None`` (an end) reads the stored ones. Rows are never deleted, so the
+    insert is only tried for names the lock did not find (once per key, in practice).
     """
     names = sorted(policies)
-    limits = {name: _limits(policy) for name, policy in policies.items() if policy is not None}
-    if limits:
-        new = [
-            ConcurrencyKey(name=name, max_concurrency=limit, rate_limit=rate)
-            for name, (limit, rate) in sorted(limits.items())
-        ]
+    rows = _locked(db, names)
+    missing = [name for name in names if name not in rows and policies[name] is not None]
+    if missing:
+        new = []
+        for name in missing:
+            limit, rate = _limits(policies[name])  # type: ignore[arg-type]
+            new.append(ConcurrencyKey(name=name, max_concurrency=limit, rate_limit=rate))
         ConcurrencyKey.objects.using(db).bulk_create(new, ignore_conflicts=True)
-    rows = ConcurrencyKey.objects.using(db).filter(name__in=names).order_by("name")
-    if connections[db].features.has_select_for_update:
-        rows = rows.select_for_update()
+        rows.update(_locked(db, missing))
     keys = {}
-    for name, limit, rate, log in rows.values_list(
-        "name", "max_concurrency", "rate_limit", "recent"
-    ):
-        if name in limits and limits[name] != (limit, rate):
-            limit, rate = limits[name]
+    for name, (limit, rate, log) in rows.items():
+        policy = policies[name]
+        if policy is not None and _limits(policy) != (limit, rate):
+            limit, rate = _limits(policy)
             ConcurrencyKey.objects.using(db).filter(name=name).update(
                 max_concurrency=limit, rate_limit=rate
             )
-        keys[name] = _Key(limit, parse_rate(rate) if rate else None, list(log or []))
+        keys[name] = _Key(limit, parse_rate(rate) if rate else None, log)
     return keys
+
+
+def _locked(db: str, names: list[str]) -> dict[str, tuple[int | None, str, list[int]]]:
+    """Lock the existing rows of ``names`` (in name order); their limits and rate log."""
+    conn = connections[db]
+    if conn.vendor == "postgresql":
+        where, params = "name = ANY(%s::text[])", [list(names)]
+    else:
+        where, params = f"name IN ({', '.join(['%s'] * len(names))})", list(names)
+    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "SELECT name, max_concurrency, rate_limit, recent FROM durable_concurrencykey "
+            f"WHERE {where} ORDER BY name{lock}",
+            params,
+        )
+        rows = cursor.fetchall()
+    return {name: (limit, rate, _json_list(log)) for name, limit, rate, log in rows}
+
+
+def _json_list(value: Any) -> list[int]:
+    # JSON columns arrive as text on every backend (see durable.storage.firing._json).
+    return list(json.loads(value) if isinstance(value, str | bytes) else value or [])
 
 
 def _limits(limits: Limits) -> tuple[int | None, str]:
@@ -214,9 +239,22 @@ def _limits(limits: Limits) -> tuple[int | None, str]:
 
 
 def _save_logs(db: str, keys: Mapping[str, _Key]) -> None:
-    for name, key in keys.items():
-        if key.logged:
-            ConcurrencyKey.objects.using(db).filter(name=name).update(recent=key.log)
+    """Write back the rate logs that changed (one statement on PostgreSQL)."""
+    changed = sorted((name, json.dumps(key.log)) for name, key in keys.items() if key.logged)
+    if not changed:
+        return
+    with statements.cursor(db) as cursor:
+        if connections[db].vendor == "postgresql":
+            cursor.execute(
+                "UPDATE durable_concurrencykey AS k SET recent = v.log::jsonb "
+                "FROM unnest(%s::text[], %s::text[]) AS v(name, log) WHERE k.name = v.name",
+                [[name for name, _ in changed], [log for _, log in changed]],
+            )
+            return
+        for name, log in changed:
+            cursor.execute(
+                "UPDATE durable_concurrencykey SET recent = %s WHERE name = %s", [log, name]
+            )
 
 
 def _wake(db: str, key: str, count: int, due_ms: int, bucket_shift: int) -> list[Woken]:
@@ -262,9 +300,9 @@ def _leave_line(db: str, ids: list[int]) -> None:
         cursor.execute(f"UPDATE durable_timer SET queued_ms = NULL WHERE {where}", params)
 
 
-def _counts(db: str, key: str, exclude: list[int]) -> tuple[int, int, int]:
-    """(active, woken and not started yet, 1 if any is parked else 0) of ``key``, leaving
-    ``exclude`` out.
+def _counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
+    """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving
+    ``exclude`` out. One statement for all keys.
 
     Each part reads its own index range (``durable_timer_conc_idx`` for the running,
     ``durable_timer_line_idx`` for the line), never the key's other pending timers: a
@@ -272,19 +310,26 @@ def _counts(db: str, key: str, exclude: list[int]) -> tuple[int, int, int]:
     """
     vendor = connections[db].vendor
     where, params = statements.in_clause(vendor, exclude or [0])
-    mine = f"FROM durable_timer WHERE concurrency_key = %s AND NOT ({where})"
-    line = f"{mine} AND state = %s AND queued_ms IS NOT NULL"
-    sql = (
-        f"SELECT (SELECT count(*) {mine} AND state = %s), "
-        f"(SELECT count(*) {line} AND fire_at_ms < %s), "
-        f"(SELECT count(*) FROM (SELECT 1 {line} AND fire_at_ms = %s LIMIT 1) AS parked)"
+    mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
+    line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
+    parts = (
+        f"(SELECT count(*) {mine} AND t.state = %s), "
+        f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
+        f"(SELECT count(*) FROM (SELECT 1 {line} AND t.fire_at_ms = %s LIMIT 1) AS parked)"
     )
     args = [
-        *(key, *params, _FIRING),
-        *(key, *params, _PENDING, PARKED_MS),
-        *(key, *params, _PENDING, PARKED_MS),
+        *(*params, _FIRING),
+        *(*params, _PENDING, PARKED_MS),
+        *(*params, _PENDING, PARKED_MS),
     ]
+    if vendor == "postgresql":
+        sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
+        args.append(names)
+    else:
+        keys = " UNION ALL ".join(["SELECT %s AS name"] * len(names))
+        sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
+        args.extend(names)
     with statements.cursor(db) as cursor:
         cursor.execute(sql, args)
-        active, reserved, waiting = cursor.fetchone()
-    return int(active), int(reserved), int(waiting)
+        rows = cursor.fetchall()
+    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}

@@ -27,7 +27,7 @@ from tests.acceptance.helpers import metric, owned_by
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 ACCOUNTS, PER_ACCOUNT, LIMIT = 10, 100, 2
-SECONDS = 0.03  # each attempt's length: long enough to overlap, short enough for CI
+SECONDS = 0.02  # each attempt's length: long enough to overlap, short enough for CI
 TTL = {"DURABLE_LEASE_TTL_S": "3"}  # a quick takeover after the kill
 
 
