@@ -32,7 +32,6 @@ URL = os.environ.get(
     "DURABLE_BENCH_URL", "postgres://durable:durable@127.0.0.1:5432/durable_concurrency_bench"
 )
 KEYS = 16
-LIMITS = {"max_concurrency": 5} if os.environ.get("BENCH_NO_RATE") else {"rate_limit": "200/s"}
 
 
 def key_of(key: str) -> str:
@@ -67,7 +66,7 @@ def main() -> None:
 
     # Registered here, after Django is set up (as "__main__.keyed"): the engine runs in
     # this process, so the registry it reads is this one.
-    durable.handler(concurrency_key=key_of, **LIMITS)(keyed)
+    durable.handler(concurrency_key=key_of, rate_limit="200/s")(keyed)
     n = options.rate * options.seconds
     results: dict[str, list[Lateness]] = {"plain": [], "keyed": []}
     for _ in range(options.rounds):
