@@ -51,3 +51,12 @@ def rated(key: str, n: int) -> None:
     fire = durable.current_fire()
     assert fire is not None
     FireRecord.objects.create(key=f"{key}:{n}", fired_at_ms=fire.fired_ms)
+
+
+@durable.handler(atomic=False, concurrency_key=by_account, max_concurrency=1, max_attempts=3)
+def fails_first(account: str, n: int) -> None:
+    """External; its first attempt for ``n == 1`` raises (a retry after backoff)."""
+    STARTED.append(n)
+    fire = durable.current_fire()
+    if n == 1 and fire is not None and fire.attempt == 1:
+        raise ConnectionError("the remote end hung up")

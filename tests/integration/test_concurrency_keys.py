@@ -210,3 +210,17 @@ def test_a_rate_limit_holds_over_every_window_and_loses_nothing(engine, clock):
     took_s = (clock.now_ms() - START_MS) / 1000
     assert took_s < calls / 3 / 100 + 3, f"{took_s} s of clock time: slower than the rate"
     assert turns < 60, f"{turns} turns: deferred calls were retried, not woken in order"
+
+
+def test_a_failed_attempt_frees_its_slot_for_the_next_in_line(engine, clock):
+    base = clock.now_ms()
+    first, second = (
+        durable.schedule(support.fails_first, args=["acme", n], at=at(base + n)) for n in (1, 2)
+    )
+    clock.advance(1_000)
+    engine.tick()
+    assert wait_for(lambda: row(first).state == "pending" and row(first).attempts == 1)
+    assert row(first).fire_at_ms > clock.now_ms(), "retried after its backoff"
+    assert row(second).fire_at_ms == clock.now_ms(), "the failure woke the next in line"
+    assert ticked_until(engine, lambda: row(second).state == "fired")
+    assert row(first).queued_ms is None, "a retry is a new arrival"
