@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 _PERIODS_MS = {"s": 1_000, "m": 60_000, "h": 3_600_000}
 _SPEC = re.compile(r"(\d+)/([smh])")
-#: The most starts a rate may allow per period (the log keeps that many times).
-MAX_COUNT = 10_000
+#: The most starts a rate may allow per period: the key's row keeps that many times, and
+#: rewrites them in every batch that starts one (for more, a shorter period: "1000/s").
+MAX_COUNT = 1_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
