@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.db import connections
+
 from durable.conf import get_settings
 from durable.core.sharding import bucket_of
 from durable.models import Timer, TimerState
@@ -120,19 +122,25 @@ def _move(
     planned.debounce_since_ms = since
     rows = Timer.objects.using(db)
     if due == current.fire_at_ms:
-        rows.filter(pk=current.pk).update(
-            **{name: getattr(planned, name) for name in _UPDATED}, updated_at=ms_to_dt(now_ms)
-        )
-        current.refresh_from_db(using=db)
+        changes = {name: getattr(planned, name) for name in _UPDATED}
+        changes["updated_at"] = ms_to_dt(now_ms)
+        rows.filter(pk=current.pk).update(**changes)
+        for name, value in changes.items():
+            setattr(current, name, value)
         return Debounced(outcome="updated", timer=current)
     planned.fire_at_ms = due
     planned.bucket = bucket_of(due, get_settings().BUCKET_SHIFT)
     for name in _KEPT:
         setattr(planned, name, getattr(current, name))
-    _take_key(db, current, planned)
+    # One plain DELETE frees the key (the ORM's delete() would also read the row and
+    # unlink its children first); the children are linked to the new row just after,
+    # and the parent foreign key is checked at commit (Django makes it deferrable).
+    with connections[db].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {Timer._meta.db_table} WHERE id = %s", [current.pk])
+    if not insert_if_absent(db, planned):  # cannot happen: we held the key's only row
+        raise RuntimeError(f"debounce: key {planned.key!r} was taken while its row was locked")
     # Children follow, so that cancelling the timer still cascades to them.
     rows.filter(parent_id=current.pk).update(parent_id=planned.pk)
-    rows.filter(pk=current.pk).delete()
     announce(db, [planned], now_ms)
     return Debounced(outcome="moved", timer=planned)
 
