@@ -9,8 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import transaction
+from django.urls import reverse
 
 import durable
+from durable.admin import base
 from durable.exceptions import TimerError
 from durable.models import Timer
 from durable.scheduling.validation import MAX_INSTANT_MS
@@ -230,3 +232,13 @@ def test_schedule_many_does_not_debounce(clock):
     with pytest.raises(TypeError, match=r"specs\[0\]: schedule_many\(\) does not debounce"):
         durable.schedule_many([spec])
     assert not Timer.objects.exists()
+
+
+def test_the_admin_page_shows_when_the_burst_began(admin_client, clock):
+    debounced("a")
+    clock.advance(S)
+    timer = debounced("b")
+    page = admin_client.get(reverse("admin:durable_timer_change", args=[timer.pk]))
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Debounced since" in html and base.ms_display(NOW) in html
