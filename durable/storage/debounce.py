@@ -43,9 +43,9 @@ from durable.storage.timers import announce, insert_if_absent
 
 #: How many times a call reads the key's row again after losing a race for it. Each
 #: retry means another transaction committed a change to that key meanwhile; under READ
-#: COMMITTED the next read sees it, so a handful is plenty. REPEATABLE READ or
-#: SERIALIZABLE transactions cannot see it: they end with :attr:`Debounced.outcome`
-#: ``"contended"`` instead of looping forever.
+#: COMMITTED the next read sees it, so a handful is plenty. Under REPEATABLE READ or
+#: SERIALIZABLE PostgreSQL raises a serialization failure at the conflict (checked by
+#: hand); should a database not, the call ends ``"contended"`` instead of looping forever.
 MAX_TRIES = 20
 
 # Copied from the row being replaced: its attempts so far (a timer waiting for a retry
