@@ -255,8 +255,7 @@ def main() -> None:
         else f"scheduled while firing{', schedule_many a tick' if args.bulk else ''}"
     )
     lines = [
-        f"| topology ({mode}) "
-        "| fired per s | lateness p50 / p99 / max (ms) | fires |",
+        f"| topology ({mode}) | fired per s | lateness p50 / p99 / max (ms) | fires |",
         "|---|---|---|---|",
         f"| direct | {direct_rate:,.0f} | {direct.p50:.1f} / {direct.p99:.1f} / "
         f"{direct.max:.1f} | {direct.n:,} |",
