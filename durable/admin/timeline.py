@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
 from durable.admin.base import local_instant, ms_display
-from durable.core.timeutil import datetime_to_ms
 from durable.models import WorkflowRun
-from durable.storage.run_times import SignalTimes, StepTimes
+from durable.storage.run_times import EPOCH, SignalTimes, StepTimes
 from durable.workflows.records import Kind, Status
 
 #: Most rows drawn for a run's calls; past it, consecutive calls are grouped.
@@ -40,6 +39,7 @@ MAX_SIGNAL_ROWS = 50
 #: Calls that take no time: recorded for replay, not drawn.
 VALUE_KINDS = frozenset({Kind.NOW, Kind.RANDOM, Kind.UUID, Kind.PATCHED})
 _TICKS = 5
+_ONE_MS = timedelta(milliseconds=1)
 _WORST = {"failed": 4, "retried": 3, "wait": 2, "sleep": 1}  # a group's colour: its worst member's
 
 
@@ -174,7 +174,7 @@ def build(
 
 
 def _ms(when: datetime) -> int:
-    return datetime_to_ms(when)
+    return (when - EPOCH) // _ONE_MS  # as run_times reads steps' times: rounded down
 
 
 def _scale(
@@ -199,8 +199,8 @@ def _scale(
 
 def _extent(step: StepTimes, now_ms: int) -> tuple[int, int]:
     """When a call began and ended (or now, if it still waits)."""
-    created, updated = _ms(step.created_at), _ms(step.updated_at)
-    begin = _ms(step.started_at) if step.started_at is not None else created
+    created, updated = step.created_ms, step.updated_ms
+    begin = step.started_ms if step.started_ms is not None else created
     if step.kind in (Kind.STEP, Kind.ATOMIC):
         return begin, max(updated, begin + (step.duration_ms or 0))
     if step.status == Status.WAITING:
@@ -262,15 +262,15 @@ def _step_row(step: StepTimes, scale: Scale, now_ms: int, signal: SignalTimes | 
 
 def _attempts(row: Row, step: StepTimes, scale: Scale) -> None:
     """A step's attempts: the first, the latest, and the backoff between them."""
-    created, updated = _ms(step.created_at), _ms(step.updated_at)
+    created, updated = step.created_ms, step.updated_ms
     css = step.kind if step.status == Status.DONE else "failed"
     outcome = {Status.DONE: "succeeded", Status.FAILED: "failed for good"}.get(
         step.status, "failed"
     )
-    if step.started_at is None:  # recorded before the step's times were
+    if step.started_ms is None:  # recorded before the step's times were
         row.marks.append(scale.mark(created, css, f"{outcome} {_clock(created, full=True)}"))
         return
-    start, took = _ms(step.started_at), step.duration_ms or 0
+    start, took = step.started_ms, step.duration_ms or 0
     n = max(1, step.attempts)
     if n == 1:
         row.bars.append(scale.bar(start, start + took, css, _attempt(1, start, took, outcome)))

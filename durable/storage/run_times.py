@@ -9,16 +9,20 @@ capped: a run can be sent any number of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db import models
 
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowStep
+from durable.storage import statements
+from durable.storage.checkpoints import is_postgres
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
 class StepTimes:
-    """What the timeline draws of one recorded ctx call."""
+    """What the timeline draws of one recorded ctx call; instants in epoch ms."""
 
     seq: int
     kind: str
@@ -26,10 +30,10 @@ class StepTimes:
     status: str
     attempts: int
     wake_ms: int | None
-    started_at: datetime | None
+    started_ms: int | None
     duration_ms: int | None
-    created_at: datetime
-    updated_at: datetime
+    created_ms: int
+    updated_ms: int
     error: str
 
 
@@ -44,16 +48,35 @@ class SignalTimes:
     consumed_seq: int | None
 
 
-_STEP_COLUMNS = [
-    "seq", "kind", "name", "status", "attempts", "wake_ms", "started_at", "duration_ms",
-    "created_at", "updated_at", "error",
-]  # fmt: skip
+_COLUMNS = ("seq", "kind", "name", "status", "attempts", "wake_ms", "started_at", "duration_ms",
+            "created_at", "updated_at", "error")  # fmt: skip
+_TIMES = {6, 8, 9}  # the datetime columns, read as epoch ms
+_SELECT = [f"floor(extract(epoch FROM {c}) * 1000)::bigint" if i in _TIMES else c
+           for i, c in enumerate(_COLUMNS)]  # fmt: skip
+_STEPS_SQL = f"SELECT {', '.join(_SELECT)} FROM durable_workflowstep WHERE run_id = %s ORDER BY seq"
+_MS = timedelta(milliseconds=1)
 
 
 def step_times(db: str, run_id: str) -> list[StepTimes]:
-    """The run's recorded calls in seq order (no results)."""
+    """The run's recorded calls in seq order (no results).
+
+    PostgreSQL turns the timestamps into epoch ms itself: building 30,000 aware
+    datetimes for a run of 10,000 steps took most of the page's time.
+    """
+    if is_postgres(db):
+        with statements.cursor(db) as cursor:
+            cursor.execute(_STEPS_SQL, [run_id])
+            return [StepTimes(*row) for row in cursor.fetchall()]
     rows = WorkflowStep.objects.using(db).filter(run_id=run_id).order_by("seq")
-    return [StepTimes(*row) for row in rows.values_list(*_STEP_COLUMNS)]
+    return [
+        StepTimes(*(epoch_ms(v) if i in _TIMES else v for i, v in enumerate(row)))
+        for row in rows.values_list(*_COLUMNS)
+    ]
+
+
+def epoch_ms(when: datetime | None) -> int | None:
+    """An aware datetime as epoch ms, rounded down as PostgreSQL's query does (None: None)."""
+    return None if when is None else (when - EPOCH) // _MS
 
 
 def signal_times(db: str, run_id: str, limit: int) -> tuple[list[SignalTimes], int]:
