@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from django.db import models
+from django.db import connections, models
 
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowStep
-from durable.storage import statements
 from durable.storage.checkpoints import is_postgres
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -64,7 +63,7 @@ def step_times(db: str, run_id: str) -> list[StepTimes]:
     datetimes for a run of 10,000 steps took most of the page's time.
     """
     if is_postgres(db):
-        with statements.cursor(db) as cursor:
+        with connections[db].cursor() as cursor:
             cursor.execute(_STEPS_SQL, [run_id])
             return [StepTimes(*row) for row in cursor.fetchall()]
     rows = WorkflowStep.objects.using(db).filter(run_id=run_id).order_by("seq")
