@@ -288,3 +288,13 @@ def _gap(a: datetime, b: datetime) -> int:
 
 def _ms(seconds: float) -> int:
     return int((T0 + seconds * SECOND).timestamp() * 1000)
+
+
+@pytest.mark.parametrize(
+    ("ms", "words"),
+    [(0, "0 ms"), (850, "850 ms"), (2_000, "2 s"), (2_540, "2.5 s"), (184_000, "3 min 4 s"),
+     (120_000, "2 min"), (7_500_000, "2 h 5 min"), (3_600_000, "1 h"),
+     (14 * 86_400_000 + 7_200_000, "14 d 2 h")],
+)  # fmt: skip
+def test_durations_read_as_words(ms, words):
+    assert timeline.human_duration(ms) == words
