@@ -86,6 +86,8 @@ class Timeline:
     ticks: list[Mark]
     rows: list[Row]
     notes: list[str]
+    link: str = ""
+    """The run's admin page, when the page drawing it links there."""
 
 
 def human_duration(ms: int | float) -> str:

@@ -9,12 +9,15 @@ may view workflow runs.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin.utils import quote
 from django.db.models import Model
 from django.http import HttpRequest
 from django.template.loader import render_to_string
+from django.urls import NoReverseMatch, reverse
 from django.utils.safestring import SafeString
 
 from durable.admin import timeline
@@ -35,12 +38,25 @@ def draw(run: WorkflowRun) -> timeline.Timeline:
 
 
 def render(runs: list[WorkflowRun], *, with_heading: bool, more: str = "") -> SafeString:
-    """The HTML of the runs' timelines (escaped by the template engine)."""
+    """The HTML of the runs' timelines (escaped by the template engine); with a heading
+    each, linked to the run's page, when ``with_heading``."""
+    drawn = [draw(run) for run in runs]
+    if with_heading:
+        drawn = [replace(timeline, link=_run_page(timeline.run)) for timeline in drawn]
     html = render_to_string(
         "admin/durable/timeline.html",
-        {"timelines": [draw(run) for run in runs], "with_heading": with_heading, "more": more},
+        {"timelines": drawn, "with_heading": with_heading, "more": more},
     )
     return SafeString(html)
+
+
+def _run_page(run: WorkflowRun) -> str:
+    """The run's admin page; "" where durable's admin is not installed under ``admin:``
+    (a custom admin site: the heading is then not a link)."""
+    try:
+        return reverse("admin:durable_workflowrun_change", args=[quote(run.pk)])
+    except NoReverseMatch:
+        return ""
 
 
 def may_view_runs(request: HttpRequest) -> bool:

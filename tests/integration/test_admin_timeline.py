@@ -229,6 +229,7 @@ def test_the_bound_objects_page_shows_its_runs_to_those_who_may_view_runs(client
     assert html.count('class="durable-timeline"') == 3  # OrderAdmin.timeline_runs
     assert 'id="timeline-order-3"' in html and 'id="timeline-other"' not in html
     assert "The latest 3 of 4 runs are drawn." in html
+    assert f'<a href="{reverse("admin:durable_workflowrun_change", args=["order-3"])}">' in html
 
     staff = User.objects.create_user("clerk", is_staff=True)
     staff.user_permissions.add(Permission.objects.get(codename="view_order"))
