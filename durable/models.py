@@ -67,6 +67,12 @@ class Timer(models.Model):
         null=True, blank=True, help_text="lease token of the owner that claimed it (state firing)"
     )
     last_error = models.CharField(max_length=500, blank=True, default="")
+    debounce_since_ms = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="debounced timer: when its burst's first call came (epoch ms); "
+        "max_wait counts from it",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     fired_at = models.DateTimeField(null=True, blank=True)
