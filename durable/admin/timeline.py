@@ -3,7 +3,7 @@
 The axis runs from the run's creation to its end (to now while it is active). Each
 recorded call is a row: a step's attempts as bars from their start for their duration
 (``WorkflowStep.started_at`` and ``duration_ms``, recorded with the step since migration
-0012), sleeps and waits as bars from when they began to when the run was woken, and
+0013), sleeps and waits as bars from when they began to when the run was woken, and
 marks for wake-ups, retries due, deadlines and signals consumed; each signal is a row
 from when it was sent to when it was consumed. Positions are percentages of the axis:
 plain positioned ``<span>`` elements and CSS, no script.

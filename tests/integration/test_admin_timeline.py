@@ -4,7 +4,7 @@ Rendering tests build runs with chosen times (rows written directly, then their
 timestamps set), so each bar's position can be checked against the times: the axis
 goes from the run's creation to its end, and a bar's ``left``/``width`` are percentages
 of it. One test runs a real workflow in the in-process worker on a manual clock and
-checks the step times the checkpoints record (migration 0012). The screenshot is
+checks the step times the checkpoints record (migration 0013). The screenshot is
 ``tests/acceptance/test_admin_browser.py``'s.
 """
 

@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("durable", "0011_shardlease_raft_term"),
+        ("durable", "0012_timer_debounce_since_ms"),
     ]
 
     operations = [
