@@ -328,6 +328,10 @@ class WorkflowStep(models.Model):
     on replay instead of running the call again. ``status`` is ``done``, ``failed`` (a
     step out of attempts), ``retrying`` (a failed attempt, retry due at ``wake_ms``) or
     ``waiting`` (a sleep, signal or child not finished; ``wake_ms`` is its deadline).
+    A ``step`` or ``atomic`` call also records when it began (``started_at``, kept
+    across retries) and how long its latest attempt ran (``duration_ms``); the record is
+    written when an attempt ends, so ``created_at`` is the end of the first attempt and
+    ``updated_at`` the end of the latest.
     """
 
     # No index of its own: the (run, seq) unique constraint serves every lookup by run,
@@ -343,6 +347,12 @@ class WorkflowStep(models.Model):
     error = models.CharField(max_length=500, blank=True, default="")
     attempts = models.PositiveIntegerField(default=0)
     wake_ms = models.BigIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(
+        null=True, blank=True, help_text="when a step began (its first attempt; steps only)"
+    )
+    duration_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="how long the step's latest attempt ran, ms"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
