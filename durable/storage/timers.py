@@ -252,19 +252,28 @@ def missing_ids(db: str, ids: Iterable[int]) -> set[int]:
     return wanted
 
 
+#: A bulk write announces up to this many near-term timers one by one (one payload:
+#: each notice is about 28 bytes of the 7,900 a payload holds); beyond it, one "rescan
+#: shard" notice per shard. Notices by id go straight into the owner's wheel, a rescan
+#: costs the owner a query per shard: small batches (a web request scheduling a few
+#: timers, a producer committing every few milliseconds) are cheaper announced by id.
+PER_TIMER_NOTICES = 256
+
+
 def announce(db: str, timers: Iterable[Timer], now_ms: int, *, per_shard: bool = False) -> None:
     """NOTIFY the owning workers of the near-term ones among new ``timers``.
 
     Delivered when the current transaction commits, never if it rolls back. Far-future
     timers are not announced: workers load them by bucket when they come into range.
-    ``per_shard`` sends one "rescan shard" notice per shard instead of one per timer.
+    ``per_shard`` (bulk writes) sends one "rescan shard" notice per shard instead of one
+    per timer when more than :data:`PER_TIMER_NOTICES` timers are near.
     """
     conf = get_settings()
     if not conf.NOTIFY:
         return
     horizon = now_ms + (conf.HORIZON_BUCKETS << conf.BUCKET_SHIFT)
     near = [t for t in timers if t.fire_at_ms < horizon and t.state == _PENDING]
-    if per_shard:
+    if per_shard and len(near) > PER_TIMER_NOTICES:
         notify_shards(db, {t.shard for t in near})
     else:
         notify_timers(db, [(t.shard, t.pk, t.fire_at_ms) for t in near])

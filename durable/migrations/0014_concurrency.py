@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("durable", "0011_shardlease_raft_term"),
+        ("durable", "0013_step_times"),
     ]
 
     operations = [
