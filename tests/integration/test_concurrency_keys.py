@@ -181,7 +181,7 @@ def test_a_rate_limit_holds_over_every_window_and_loses_nothing(engine, clock):
     """5,000 calls in one burst on 3 keys at 100/s: on the manual clock, each key's starts
     never exceed 100 in any 1 s window, and every call runs once. Deferred calls wait as
     timers: the clock jumps straight to the next one due, nothing polls. (The issue's
-    10/s takes ten times the turns: 333, 35 s on a loaded machine, for the same proof.)"""
+    10/s takes ten times the turns, 333: 25 s at load 12-14, for the same proof.)"""
     calls = 5_000
     durable.schedule_many({"fn": support.rated, "args": [f"k{n % 3}", n]} for n in range(calls))
     clock.advance(1_000)
