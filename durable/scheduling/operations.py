@@ -11,6 +11,7 @@ already holds). So :func:`reschedule`, :func:`fire_now` and :func:`retry` write 
 row with the same handler, arguments, key, parent, children and ``on_complete``, and
 cancel the old one (without a follow-up) with ``result = {"replaced_by": <new id>}``.
 Code that must find a timer again after an operator moved it should use its key.
+A timer of a concurrency key keeps its key (see ``docs/how-to/concurrency.md``).
 
 Only timers of kind ``handler``, ``celery`` and ``signal`` (a scheduled signal) can be
 moved: a cron occurrence belongs
@@ -36,6 +37,7 @@ from durable.exceptions import ScheduleError, TimerError
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
 from durable.scheduling import validation
 from durable.scheduling.cron import Occurrence, schedule_function
+from durable.storage import concurrency
 from durable.storage import schedules as schedule_store
 from durable.storage import timers as timer_store
 from durable.storage.parents import canceled_among
@@ -150,12 +152,21 @@ def _swap(db: str, shift: int, old: Timer, fire_at_ms: int, now_ms: int, reset: 
         key=old.key,
         attempts=0 if reset else old.attempts,
         last_error=old.last_error,
+        # Its key's limit still binds it. Made due now (fire now), a pending timer keeps
+        # its place in the key's line, so over the limit it waits where it was; moved
+        # later, or retried, it is a new arrival then.
+        concurrency_key=old.concurrency_key,
+        queued_ms=old.queued_ms
+        if old.state == TimerState.PENDING and fire_at_ms <= now_ms
+        else None,
     )
     timer_store.insert_timer(db, new)
     Timer.objects.using(db).filter(pk=old.pk).update(result={"replaced_by": new.pk})
     # Children follow, so that cancelling the replacement still cascades to them.
     Timer.objects.using(db).filter(parent_id=old.pk).update(parent_id=new.pk)
     timer_store.announce(db, [new], now_ms)
+    if old.concurrency_key is not None:  # a woken timer moved later gives up its slot
+        concurrency.release_keys(db, [old.concurrency_key], now_ms, shift)
     return new
 
 

@@ -32,8 +32,9 @@ from typing import Any
 
 from django.db import connections, transaction
 
+from durable.conf import get_settings
 from durable.models import TimerState
-from durable.storage import statements
+from durable.storage import concurrency, statements
 from durable.storage.firing import LAZY_COMMIT, due_where, token_by_shard
 from durable.storage.leases import fence_shards, ms_to_dt
 
@@ -216,7 +217,8 @@ def dead_letter(db: str, timer_id: int, token: int, now_ms: int, error: str) -> 
     """Move an unfinished timer to failed with ``error``, by id alone; False if finished.
 
     For a timer whose firing fails in the database whatever its handler does: its own
-    columns are all this writes, so it succeeds where the firing's bookkeeping did not.
+    columns are all this writes, so it succeeds where the firing's bookkeeping did not
+    (and, for a timer of a concurrency key, the key's line: its next timer is woken).
     """
     when = connections[db].ops.adapt_datetimefield_value(ms_to_dt(now_ms))
     with statements.cursor(db) as cursor:
@@ -226,4 +228,7 @@ def dead_letter(db: str, timer_id: int, token: int, now_ms: int, error: str) -> 
             "WHERE id = %s AND state IN (%s, %s)",
             [_FAILED, token, when, when, error[:500], timer_id, _PENDING, _FIRING],
         )
-        return cursor.rowcount > 0
+        done = cursor.rowcount > 0
+    if done:  # it may have held a slot of its concurrency key: the next in line gets it
+        concurrency.release(db, [timer_id], now_ms, get_settings().BUCKET_SHIFT)
+    return done

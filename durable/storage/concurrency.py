@@ -13,9 +13,11 @@ the count cannot drift from the rows it describes.
   :data:`PARKED_MS` (never, until woken), with ``queued_ms`` its place in line (the
   time it first came due). It holds no wheel entry and is never rescanned: no polling.
 - :func:`release` runs in the transaction that records an active timer's end (fired,
-  retried, dead-lettered). It locks the key's row and makes the oldest parked timers due
-  now, as many as there are free slots. A woken timer keeps its place (``queued_ms``)
-  and holds its slot until it fires: a timer that came due later cannot take it.
+  retried, dead-lettered), or that takes a woken one out of the line (cancelled, moved
+  by an operator or by a debounced call): every path that ends or moves a keyed timer.
+  It locks the key's row and makes the oldest parked timers due now, as many as there
+  are free slots. A woken timer keeps its place (``queued_ms``) and holds its slot
+  until it fires: a timer that came due later cannot take it.
 
 Lock order: timer rows (the batch's, or the completing one), then key rows by name.
 """
@@ -126,9 +128,18 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
     timers made due (also announced by NOTIFY at commit).
     """
     names = sorted({row[1] for row in _keyed_rows(db, list(timer_ids))})
+    return release_keys(db, names, now_ms, bucket_shift)
+
+
+def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) -> list[Woken]:
+    """:func:`release` by key name: for a timer whose row is gone (a debounced timer
+    moved to a new row) or whose key the caller knows already."""
+    names = sorted(set(names))
     if not names:
         return []
     keys = _lock_keys(db, {name: None for name in names})
+    if not keys:  # no batch ever decided for them: nobody waits in their line
+        return []
     woken: list[Woken] = []
     counts = _counts(db, sorted(keys), [])
     for name, key in sorted(keys.items()):

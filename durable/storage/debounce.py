@@ -38,6 +38,7 @@ from django.db import connections
 from durable.conf import get_settings
 from durable.core.sharding import bucket_of
 from durable.models import Timer, TimerState
+from durable.storage import concurrency
 from durable.storage.leases import ms_to_dt
 from durable.storage.timers import announce, insert_if_absent
 
@@ -129,7 +130,8 @@ def _move(
             setattr(current, name, value)
         return Debounced(outcome="updated", timer=current)
     planned.fire_at_ms = due
-    planned.bucket = bucket_of(due, get_settings().BUCKET_SHIFT)
+    shift = get_settings().BUCKET_SHIFT
+    planned.bucket = bucket_of(due, shift)
     for name in _KEPT:
         setattr(planned, name, getattr(current, name))
     # One plain DELETE frees the key (the ORM's delete() would also read the row and
@@ -142,6 +144,11 @@ def _move(
     # Children follow, so that cancelling the timer still cascades to them.
     rows.filter(parent_id=current.pk).update(parent_id=planned.pk)
     announce(db, [planned], now_ms)
+    if current.concurrency_key is not None:
+        # A woken timer of a concurrency key held a slot; moved later it is a new
+        # arrival, and the slot goes to the next in line. (A parked one is never moved:
+        # its due time, the year 9999, is the latest there is.)
+        concurrency.release_keys(db, [current.concurrency_key], now_ms, shift)
     return Debounced(outcome="moved", timer=planned)
 
 

@@ -28,12 +28,14 @@ from durable.dispatch.executors import (
     ship,
 )
 from durable.models import ShardLease, Timer
-from durable.storage import claims
+from durable.storage import claims, concurrency
 from durable.storage import firing as store
+from durable.storage.concurrency import PARKED_MS
 from durable.testing import ManualClock, override_clock
 from durable.worker.engine import Engine
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
+from tests.integration import concurrency_support
 
 START_MS = 1_900_000_000_000
 MEMORY = "memory://"
@@ -259,3 +261,20 @@ def test_give_up_in_an_executor_dead_letters_at_once(consumer, clock):
     assert (second.state, second.attempts) == ("failed", 1)
     assert second.last_error.startswith("KeyError: ") and "/srv/" not in second.last_error
     assert keys() == []  # the atomic handler's row rolled back
+
+
+def test_a_keyed_attempts_end_wakes_the_next_in_its_keys_line(consumer, clock):
+    """The executor's completion frees the slot (``execution._settle``), like a worker's."""
+    first = durable.schedule(concurrency_support.fails_first, args=["acme", 2])
+    waiting = durable.schedule(concurrency_support.fails_first, args=["acme", 3])
+    assert first.concurrency_key == waiting.concurrency_key is not None
+    claim_and_ship(first, clock)
+    # A batch over the key's limit of 1 (its attempt counted) parks the waiting one.
+    Timer.objects.filter(pk=waiting.pk).update(attempts=1)
+    limits = {waiting.pk: (1, None)}
+    with transaction.atomic():
+        assert concurrency.admit("default", limits, clock.now_ms(), 16) == {waiting.pk}
+    assert Timer.objects.get(pk=waiting.pk).fire_at_ms == PARKED_MS
+    clock.advance(10)
+    assert consumer.drain() == 1 and consumer.outcomes[DONE] == 1
+    assert Timer.objects.get(pk=waiting.pk).fire_at_ms == clock.now_ms()
