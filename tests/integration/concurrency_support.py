@@ -60,3 +60,11 @@ def fails_first(account: str, n: int) -> None:
     fire = durable.current_fire()
     if n == 1 and fire is not None and fire.attempt == 1:
         raise ConnectionError("the remote end hung up")
+
+
+@durable.handler(atomic=False, concurrency_key=by_account, max_concurrency=1)
+def gives_up(account: str, n: int) -> None:
+    """External; gives up for good (a dead letter at once) when ``n == 1``."""
+    STARTED.append(n)
+    if n == 1:
+        raise durable.GiveUp("the account is closed")

@@ -136,3 +136,35 @@ def test_cancelling_a_keyed_timer_whose_key_never_came_due_cancels_it():
     timer = durable.schedule(support.gated, args=["acme", 1], delay=timedelta(hours=1))
     assert durable.cancel(timer)
     assert row(timer).state == "canceled"
+
+
+def test_an_attempt_that_gives_up_frees_its_slot_for_the_next(engine, clock):
+    base = clock.now_ms()
+    first, second = (
+        durable.schedule(support.gives_up, args=["acme", n], at=at(base + n)) for n in (1, 2)
+    )
+    clock.advance(1_000)
+    assert ticked_until(engine, lambda: 2 in support.STARTED)
+    assert (row(first).state, row(first).attempts) == ("failed", 1), "dead-lettered at once"
+    assert ticked_until(engine, lambda: row(second).state == "fired")
+
+
+def test_a_woken_timer_dead_lettered_for_bad_stored_args_frees_its_slot(engine, clock):
+    timers = line(engine, clock, 4)
+    finish(timers[0])  # wakes 3, whose row a bad write then breaks
+    Timer.objects.filter(pk=timers[2].pk).update(args={"not": "a list"})
+    clock.advance(1_000)
+    assert ticked_until(engine, lambda: row(timers[2]).state == "failed")
+    assert ticked_until(engine, lambda: 4 in support.STARTED)
+    assert started(3) == [1, 2, 4]
+
+
+def test_a_claim_found_with_every_attempt_used_is_dead_lettered_and_frees_its_slot(engine, clock):
+    timers = line(engine, clock, 3)
+    # Attempt 1 of 1 never recorded an outcome, and its claim expired: a poison timer.
+    Timer.objects.filter(pk=timers[0].pk).update(max_attempts=1, claim_expires_ms=clock.now_ms())
+    clock.advance(1_000)
+    assert ticked_until(engine, lambda: row(timers[0]).state == "failed")
+    assert "attempt 1 of 1 started and never finished" in row(timers[0]).last_error
+    assert ticked_until(engine, lambda: 3 in support.STARTED)
+    assert started(3) == [1, 2, 3]
