@@ -165,7 +165,8 @@ def _swap(db: str, shift: int, old: Timer, fire_at_ms: int, now_ms: int, reset: 
     # Children follow, so that cancelling the replacement still cascades to them.
     Timer.objects.using(db).filter(parent_id=old.pk).update(parent_id=new.pk)
     timer_store.announce(db, [new], now_ms)
-    if old.concurrency_key is not None:  # a woken timer moved later gives up its slot
+    if old.concurrency_key is not None and old.queued_ms is not None:
+        # It was in its key's line: woken, it held a slot, which is free unless it kept it.
         concurrency.release_keys(db, [old.concurrency_key], now_ms, shift)
     return new
 

@@ -21,6 +21,10 @@ caller's transaction,
   ran (a timer with ``max_attempts=1`` would be dead-lettered unrun) or drop the mark of
   one that took its worker down.
 
+A timer waiting in its concurrency key's line (:mod:`durable.storage.concurrency`) is
+due in the year 9999, so a call updates it in place (it keeps its place); a woken one
+moved later gives its slot to the next in line.
+
 Races (PostgreSQL): the row is read ``FOR UPDATE``, so two callers debouncing one key
 take turns on it; a caller that finds no row inserts with ``ON CONFLICT DO NOTHING``,
 which waits on the unique index for a concurrent inserter's outcome. A caller whose row
@@ -144,7 +148,7 @@ def _move(
     # Children follow, so that cancelling the timer still cascades to them.
     rows.filter(parent_id=current.pk).update(parent_id=planned.pk)
     announce(db, [planned], now_ms)
-    if current.concurrency_key is not None:
+    if current.concurrency_key is not None and current.queued_ms is not None:
         # A woken timer of a concurrency key held a slot; moved later it is a new
         # arrival, and the slot goes to the next in line. (A parked one is never moved:
         # its due time, the year 9999, is the latest there is.)
