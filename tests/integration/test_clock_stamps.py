@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.apps import apps
-from django.db import models
+from django.db import models, transaction
 
 import durable
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowStep
@@ -23,6 +23,9 @@ START = datetime(2031, 3, 1, 9, 0, tzinfo=UTC)
 HOURS_20 = timedelta(hours=20)
 TRIP_END = START + timedelta(days=2)
 
+MODELS = sorted(apps.get_app_config("durable").get_models(), key=lambda m: m.__name__)
+
+# The tests read the trip's snapshot; the mark makes pytest-django set the database up.
 pytestmark = pytest.mark.django_db
 
 
@@ -46,66 +49,71 @@ def late_signal(ctx):
     return name
 
 
-def _trip() -> str:
-    """A trip that writes a row of every durable model, with times well after START."""
-    with time_machine(START) as machine:
-        durable.schedules.create(
-            "stamps", "testproject.demo.crons.record", every=timedelta(hours=6)
+def _times(model: type[models.Model]) -> list[str]:
+    return [f.attname for f in model._meta.concrete_fields if isinstance(f, models.DateTimeField)]
+
+
+@pytest.fixture(scope="module")
+def trip(django_db_setup, django_db_blocker):
+    """One trip (the engine's start costs a second or two) that writes a row of every
+    durable model with times well after START: its rows' times by model, plus the run's
+    and the signal's ids. Rolled back once read."""
+    with django_db_blocker.unblock(), transaction.atomic():
+        with time_machine(START) as machine:
+            durable.schedules.create(
+                "stamps", "testproject.demo.crons.record", every=timedelta(hours=6)
+            )
+            durable.schedule(stamped, args=["late"], delay=timedelta(hours=3))
+            # More than one timer: PostgreSQL's columnar bulk insert.
+            durable.schedule_many(
+                [{"fn": stamped, "args": [f"b{n}"], "delay": timedelta(hours=n)} for n in (1, 2)]
+            )
+            run = late_signal.start()
+            machine.advance(hours=20)
+            signal = durable.send_signal(run.pk, "go", "now")
+            machine.advance(hours=2)
+        rows = {m: list(m.objects.values("pk", *_times(m))) for m in MODELS}
+        rows[WorkflowStep] = list(
+            WorkflowStep.objects.filter(run_id=run.pk).order_by("seq").values(*_times(WorkflowStep))
         )
-        durable.schedule(stamped, args=["late"], delay=timedelta(hours=3))
-        # More than one timer: PostgreSQL's columnar bulk insert.
-        durable.schedule_many(
-            [{"fn": stamped, "args": [f"bulk{n}"], "delay": timedelta(hours=n)} for n in (1, 2)]
-        )
-        run = late_signal.start()
-        machine.advance(hours=20)
-        durable.send_signal(run.pk, "go", "now")
-        machine.advance(hours=2)
-    return run.pk
+        transaction.set_rollback(True)
+    return {"rows": rows, "run": run.pk, "signal": signal.pk}
 
 
-def test_a_signal_sent_at_plus_20_hours_records_that_time():
-    with time_machine(START) as machine:
-        run = late_signal.start()
-        machine.advance(hours=20)
-        signal = durable.send_signal(run.pk, "go", "now")
-        machine.advance(hours=2)
-    assert WorkflowSignal.objects.get(pk=signal.pk).created_at == START + HOURS_20
-    assert WorkflowSignal.objects.get(pk=signal.pk).consumed_at == START + HOURS_20
+def _row(trip, model, pk):
+    return next(row for row in trip["rows"][model] if row["pk"] == pk)
 
 
-def test_step_rows_carry_the_checkpoints_time():
-    with time_machine(START) as machine:
-        run = late_signal.start()
-        machine.advance(hours=20)
-        durable.send_signal(run.pk, "go", "now")
-        machine.advance(hours=2)
-    *_, first = steps = list(WorkflowStep.objects.filter(run_id=run.pk).order_by("-seq"))
-    last = steps[0]
-    assert (first.created_at, first.updated_at) == (START, START)
+def test_a_signal_sent_at_plus_20_hours_records_that_time(trip):
+    signal = _row(trip, WorkflowSignal, trip["signal"])
+    assert signal["created_at"] == START + HOURS_20
+    assert signal["consumed_at"] == START + HOURS_20
+
+
+def test_step_rows_carry_the_checkpoints_time(trip):
+    first, *_, last = trip["rows"][WorkflowStep]
+    assert (first["created_at"], first["updated_at"]) == (START, START)
     # Signal at +20 h, then a one-hour sleep: the last step is checkpointed at +21 h.
-    assert (last.created_at, last.updated_at) == (START + timedelta(hours=21),) * 2
-    finished = WorkflowRun.objects.get(pk=run.pk)
-    assert finished.created_at == START
-    assert finished.updated_at == finished.finished_at == START + timedelta(hours=21)
+    assert (last["created_at"], last["updated_at"]) == (START + timedelta(hours=21),) * 2
+    run = _row(trip, WorkflowRun, trip["run"])
+    assert run["created_at"] == START
+    assert run["updated_at"] == run["finished_at"] == START + timedelta(hours=21)
 
 
-MODELS = sorted(apps.get_app_config("durable").get_models(), key=lambda m: m.__name__)
 # Times the trip's end clears again: the engine's shutdown releases its leases.
 CLEARED = {"ShardLease.expires_at"}
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
-def test_every_time_field_follows_the_injected_clock(model):
-    _trip()
-    times = [f.attname for f in model._meta.concrete_fields if isinstance(f, models.DateTimeField)]
+def test_every_time_field_follows_the_injected_clock(trip, model):
+    times = _times(model)
     assert times, f"{model.__name__} has no time field"
-    rows = list(model.objects.values(*times))
+    rows = trip["rows"][model]
     assert rows, f"the trip wrote no {model.__name__} row"
     for name in times:
         if f"{model.__name__}.{name}" not in CLEARED:
             assert any(row[name] is not None for row in rows), f"the trip never set {name}"
     for row in rows:
-        for name, value in row.items():
-            if value is not None:
-                assert START <= value <= TRIP_END, (name, value)
+        for name in times:
+            if row[name] is not None:
+                assert START <= row[name] <= TRIP_END, (name, row[name])
