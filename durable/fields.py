@@ -9,7 +9,7 @@ from django.db import models
 from durable.core.clock import current_datetime
 
 
-class ClockStampField(models.DateTimeField):  # type: ignore[type-arg]
+class ClockStampField(models.DateTimeField):
     """A datetime column durable fills from its injected clock when a row is inserted
     without one (``durable.core.clock.current_datetime()``).
 

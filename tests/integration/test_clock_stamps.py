@@ -15,8 +15,9 @@ from django.apps import apps
 from django.db import models, transaction
 
 import durable
+from durable.core.timeutil import datetime_to_ms
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowStep
-from durable.testing import time_machine
+from durable.testing import ManualClock, override_clock, time_machine
 from testproject.demo.models import FireRecord
 
 START = datetime(2031, 3, 1, 9, 0, tzinfo=UTC)
@@ -117,3 +118,18 @@ def test_every_time_field_follows_the_injected_clock(trip, model):
         for name in times:
             if row[name] is not None:
                 assert START <= row[name] <= TRIP_END, (name, row[name])
+
+
+def test_an_insert_without_a_stamp_takes_the_clock_and_a_given_stamp_is_kept():
+    later = START + HOURS_20
+    with override_clock(ManualClock(start_ms=datetime_to_ms(START))):
+        run = WorkflowRun.objects.create(id="plain", name="x", shard=0)
+        given = WorkflowRun.objects.create(id="given", name="x", shard=0, created_at=later)
+        # bulk_create too (auto_now overwrote the checkpoint's time here, on SQLite).
+        WorkflowStep.objects.bulk_create(
+            [WorkflowStep(run=run, seq=1, kind="step", name="n", status="done", created_at=later)]
+        )
+    assert run.created_at == run.updated_at == START
+    assert (given.created_at, given.updated_at) == (later, START)
+    step = WorkflowStep.objects.get(run=run)
+    assert (step.created_at, step.updated_at) == (later, START)
