@@ -55,6 +55,10 @@ class History:
     """WorkflowRun rows: id, name, state, result."""
     schedules: list[dict[str, Any]] = field(default_factory=list)
     """CronSchedule rows: name, next_ms, skipped_count."""
+    holds: list[dict[str, Any]] = field(default_factory=list)
+    """Holds of a worker's loop by an atomic handler that ran to its timeout, read from
+    the worker logs (:func:`chaos.lateness.holds_from_logs`): ``poison_hang`` faults with
+    their ``timer_id``. A hanging poison with none is estimated from its row instead."""
     end_ms: int = 0
     """When the drain ended: nothing due before it may still be pending."""
     bounds: Bounds = field(default_factory=Bounds)
@@ -345,8 +349,12 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
     """Each fire's lateness against the bound of the worst fault that could explain it."""
     bounds = history.bounds
     faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
+    faults += history.holds
+    logged = {hold["timer_id"] for hold in history.holds}
     for op in idx.by_kind["poison"]:
         timer = idx.timer_by_id.get(op.get("timer_id"))
+        if timer and timer["id"] in logged:
+            continue  # its holds are known exactly
         if timer and op["poison"] == "hang" and op["handler"] == "atomic_poison":
             # It holds its worker's loop for the timeout, on each attempt, ending at its
             # last update (the dead letter).

@@ -5,8 +5,21 @@ Pure, like :mod:`chaos.checker`, which uses it.
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+#: A worker's log line for an attempt that ran to its timeout (durable.worker.outcomes).
+TIMED_OUT = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ timer\.error timer=(\d+) "
+    r"target=(\S+) attempt=(\d+) error=HandlerTimeout: .*? timeout of ([\d.]+) s"
+)
+
+
+#: A hold begins a little before its handler's timeout starts (the batch's earlier work).
+HOLD_SLACK_MS = 500
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,3 +89,35 @@ def explain(
                 allowed = max(allowed, start + bounds.after(fault))
                 grew = True
     return allowed, cover
+
+
+def holds_from_logs(lines: Iterable[str], worker: str, atomic: set[str]) -> list[dict[str, Any]]:
+    """Each time an atomic handler (a target in ``atomic``) ran to its timeout, from a
+    worker's log: a ``poison_hang`` fault from the timeout's start to the attempt's
+    ``timer.error`` line (logged once its batch committed), with the timer's id.
+
+    An atomic handler runs on the worker's loop, so while it hangs the worker serves none
+    of its shards. Read from the log, each attempt's hold is where it was; the estimate
+    :func:`chaos.checker.check` falls back on (attempts x timeout before the dead letter)
+    misses the holds of other poisons between a timer's attempts, which then break a
+    chain of holds in two (seed 20261202: four holds of three poisons in a row held one
+    worker for 25 s). Log times are this machine's local time, like the run's clock.
+    """
+    holds = []
+    for line in lines:
+        match = TIMED_OUT.match(line)
+        if not match or match[4] not in atomic:
+            continue
+        stamp, millis, timer_id, _target, attempt, timeout_s = match.groups()
+        end = int(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) * 1000) + int(millis)
+        start = end - int(float(timeout_s) * 1000) - HOLD_SLACK_MS
+        holds.append(
+            {
+                "kind": "poison_hang",
+                "start_ms": start,
+                "end_ms": end,
+                "target": f"{worker} timer {timer_id} attempt {attempt}",
+                "timer_id": int(timer_id),
+            }
+        )
+    return holds

@@ -270,6 +270,24 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def loop_holds(out: Path) -> list[dict[str, Any]]:
+    """Every hold of a worker's loop by an atomic handler past its timeout, from the logs."""
+    import testproject.demo.chaos  # noqa: F401  (the workers' DURABLE_IMPORTS)
+    from chaos.lateness import holds_from_logs
+    from durable.conf import get_settings
+    from durable.discovery import discover
+    from durable.dispatch.registry import handlers
+
+    discover(get_settings())  # the handlers the workers found, to tell atomic ones
+    atomic = {name for name in handlers.names() if (spec := handlers.get(name)) and spec.atomic}
+    holds: list[dict[str, Any]] = []
+    for path in sorted(out.glob("worker-*.log")):
+        worker = path.stem.removeprefix("worker-")
+        with path.open(errors="replace") as lines:
+            holds += holds_from_logs(lines, worker, atomic)
+    return holds
+
+
 def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int) -> bool:
     from django.db import connection
 
@@ -297,6 +315,7 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
         ],
         runs=list(WorkflowRun.objects.values("id", "name", "state", "result")),
         schedules=list(CronSchedule.objects.values("name", "next_ms", "skipped_count")),
+        holds=loop_holds(out),
         end_ms=end_ms,
         bounds=bounds,
     )

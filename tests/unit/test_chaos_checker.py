@@ -272,3 +272,49 @@ def test_a_fault_during_the_recovery_from_another_starts_the_recovery_over():
     # A lock taken after the recovery was due (10 s) explains nothing of the lateness.
     found = flagged(late(10_001, 20_000))["lateness_within_bound"]
     assert "lock@" not in found[0] and "stop@0" in found[0]
+
+
+def test_holds_read_from_the_worker_logs_chain_where_the_estimate_broke():
+    # Seed 20261202: three hanging atomic poisons held one worker's loop in turn (40
+    # twice, then 41, 42, 41 again) and a fire due during the first hold came when the
+    # last ended. Estimated from the rows (attempts x timeout before the dead letter),
+    # 41's holds begin after 40's recovery was over and the chain breaks: the fire
+    # looked late. Read from the log, the holds chain.
+    import time as _time
+
+    from chaos.lateness import holds_from_logs
+
+    def line(at_s: int, timer_id: int, attempt: int, target: str = "atomic_poison") -> str:
+        stamp = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(at_s))
+        return (
+            f"{stamp},000 WARNING durable.worker timer.error timer={timer_id} "
+            f"target=testproject.demo.poison.{target} attempt={attempt} error="
+            "HandlerTimeout: the handler ran past its timeout of 5 s and was interrupted\n"
+        )
+
+    base = 1_800_000_000
+    ends = [(5, 40, 1), (10, 40, 2), (15, 41, 1), (20, 42, 1), (25, 41, 2)]
+    log = [line(base + at, id_, n) for at, id_, n in ends]
+    log.append(line(base + 16, 43, 1, "external_poison"))  # not on the loop: no hold
+    holds = holds_from_logs(log, "w2", {"testproject.demo.poison.atomic_poison"})
+    assert [(h["start_ms"] - base * 1000, h["end_ms"] - base * 1000) for h in holds] == [
+        (at * 1000 - 5500, at * 1000) for at, _, _ in ends
+    ], "each hold ends at its line and began its timeout (and a little) before"
+    assert [h["timer_id"] for h in holds] == [40, 40, 41, 42, 41]
+
+    def change(h: History) -> None:
+        for id_, last_s in ((40, 10), (41, 25), (42, 30)):  # 42's second: another worker
+            h.ops.append(ok_op("poison", f"p{id_}", handler="atomic_poison", poison="hang"))
+            h.ops[-1].update(timer_id=id_, due_ms=base * 1000)
+            row = timer(id_, "hang", "failed", attempts=2, max_attempts=2)
+            h.timers.append({**row, "updated_ms": (base + last_s) * 1000})
+        h.ops[0]["due_ms"] = base * 1000 + 1000  # due during the first hold
+        h.ledger[0] = ("t1", base * 1000 + 26_500, base * 1000 + 1000)
+
+    estimated = broken(change)
+    assert "lateness_within_bound" in flagged(estimated), "the estimate breaks the chain"
+    logged = broken(change)
+    logged.holds = holds  # (42's second hold, on another worker, came after the fire)
+    verdict = check(logged)
+    assert verdict.ok, verdict.violations
+    assert verdict.lateness["poison_hang"] == 1_500, "from the end of the last hold"
