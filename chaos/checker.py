@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.lateness import Bounds, explain
+from chaos.lateness import Bounds, explain, retry_due
 
 __all__ = ["INVARIANTS", "Bounds", "History", "Verdict", "check"]
 
@@ -59,6 +59,9 @@ class History:
     """Holds of a worker's loop by an atomic handler that ran to its timeout, read from
     the worker logs (:func:`chaos.lateness.holds_from_logs`): ``poison_hang`` faults with
     their ``timer_id``. A hanging poison with none is estimated from its row instead."""
+    retries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Timer id → ``(failed, retry due)`` of its failed attempts, from the worker logs
+    (:func:`chaos.lateness.retries_from_logs`): a retry's lateness counts from its due."""
     end_ms: int = 0
     """When the drain ended: nothing due before it may still be pending."""
     bounds: Bounds = field(default_factory=Bounds)
@@ -369,7 +372,12 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
         fires = idx.fires(op["op"])
         if op["status"] == "committed" and fires and op.get("fail_times", 0) == 0:
             move = idx.moves.get(op["op"])
-            samples.append((op["op"], move["due_ms"] if move else op["due_ms"], min(fires)[0]))
+            due = move["due_ms"] if move else op["due_ms"]
+            fired = min(fires)[0]
+            failed = [
+                r for t in idx.timers.get(op["op"], []) for r in history.retries.get(t["id"], [])
+            ]
+            samples.append((op["op"], retry_due(due, fired, failed), fired))
     for key, fired, due in history.ledger:
         if due is not None and not key.startswith("t"):
             samples.append((key, due, fired))

@@ -318,3 +318,39 @@ def test_holds_read_from_the_worker_logs_chain_where_the_estimate_broke():
     verdict = check(logged)
     assert verdict.ok, verdict.violations
     assert verdict.lateness["poison_hang"] == 1_500, "from the end of the last hold"
+
+
+def test_a_retry_after_a_failed_attempt_is_late_only_from_its_own_due_time():
+    # Seed 20261202: an external handler's own session was terminated (attempt 1 failed),
+    # then its worker froze: its retry came 20 s after the first due time, which is its
+    # backoff after the failure, by design, then the recovery from what struck next.
+    import time as _time
+
+    from chaos.lateness import retries_from_logs
+
+    base = 1_800_000_000
+    stamp = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(base + 20))
+    line = (
+        f"{stamp},250 WARNING durable.worker timer.error timer=1 target=testproject.demo."
+        "chaos.atomic attempt=2 error=OperationalError: terminating connection due to ...\n"
+    )
+    retries = retries_from_logs(["noise\n", line])
+    assert retries == {1: [(base * 1000 + 20_250, base * 1000 + 22_250)]}, "backoff 2 s"
+
+    def fired_at(ms: int) -> History:
+        def change(h: History) -> None:
+            h.ops[0]["due_ms"] = base * 1000
+            h.ledger[0] = ("t1", base * 1000 + ms, base * 1000)
+
+        return broken(change)
+
+    late = fired_at(29_000)  # 29 s after its first due time, no fault near
+    assert "lateness_within_bound" in flagged(late)
+    late.retries = retries
+    assert check(late).ok, "7 s after its retry was due: the healthy bound"
+    later = fired_at(29_251)
+    later.retries = retries
+    assert "lateness_within_bound" in flagged(later)
+    early = fired_at(21_000)  # retried before its longest backoff: not late at all
+    early.retries = retries
+    assert check(early).lateness["none"] < 1000, "the other fires' 200 ms is the worst"
