@@ -67,6 +67,7 @@ class Nemesis:
         self.kinds = kinds + (("pg_restart",) if restart_db else ())
         self.kinds += RAFT_KINDS if raft is not None else ()
         self.raft = raft  # chaos.raft.RaftSetup: its proxy carries every Raft link
+        self.raft_faults: set[tuple[str, str]] = set()  # (kind, node) cut or delayed now
         self.mean = mean_interval_s
         self.restart_db = restart_db
         self.impaired: set[str] = set()  # killed or stopped, not yet healed
@@ -242,7 +243,11 @@ class Nemesis:
     def _raft_fault(self, kind: str) -> None:
         from chaos.raft import fault_window
 
-        name = self.rng.choice(self.names)
+        free = [n for n in self.names if (kind, n) not in self.raft_faults]
+        if not free:
+            return  # each node has one of this kind already (a heal would end both)
+        name = self.rng.choice(free)
+        self.raft_faults.add((kind, name))
         lasts_s, delay_s = fault_window(self.rng, kind)
         proxy = self.raft.proxy
         start = wall_ms()
@@ -256,6 +261,7 @@ class Nemesis:
                 proxy.restore(name)
             else:
                 proxy.delay(name, 0)
+            self.raft_faults.discard((kind, name))
             self.record(kind=kind, start_ms=start, end_ms=wall_ms(), target=name, delay_s=delay_s)
 
         self.later(lasts_s, heal)
