@@ -201,14 +201,14 @@ SHORT_TTL = {
 
 
 @pytest.mark.parametrize(
-    "overstay_s", [1.5 * SHORT_TTL_S, 3 * SHORT_TTL_S], ids=["commits-late", "aborted-rerun"]
+    "overstay_s", [1.5 * SHORT_TTL_S, 3.5 * SHORT_TTL_S], ids=["commits-late", "aborted-rerun"]
 )
 def test_an_atomic_handler_past_the_lease_ttl_commits_once(
     workers, record_property, tmp_path, overstay_s
 ):
     """Its shard's lease row stays locked by the open batch, so the live peer cannot take
     that shard while the handler runs: the handler's own commit lands (``commits-late``),
-    or PostgreSQL ends the transaction at twice the TTL (idle in transaction), the peer
+    or PostgreSQL ends the transaction idle for twice the TTL (5 s at least), the peer
     takes the shard and re-runs it once (``aborted-rerun``). The stalled worker's other
     shards move to the peer when their leases lapse."""
     share_evenly(workers, "a", "b", env=SHORT_TTL)
@@ -240,7 +240,7 @@ def test_an_atomic_handler_past_the_lease_ttl_commits_once(
     )
     row = Timer.objects.get(pk=timer.pk)
     assert records("long") == {"long": 1}, workers.logs()
-    if overstay_s < 2 * SHORT_TTL_S:
+    if overstay_s < max(5, 2 * SHORT_TTL_S):  # the idle-in-transaction guard (housekeeping)
         assert (row.fired_token, row.attempts) == (token, 1), "a's own commit landed"
     else:
         assert row.fired_token > token and row.attempts == 2, "b re-ran what a never committed"
@@ -331,7 +331,7 @@ def test_sigterm_with_10000_sleeping_runs_and_50_handlers_in_flight(workers, rec
         timeout_s=10,
         what="50 outside handlers running in a",
     )
-    wake = now_ms() + 2_000
+    wake = now_ms() + 3_000
     wake_at(wake)
     metric(record_property, "wake_in_ms_after_commit", wake - now_ms())
     on_a = WorkflowRun.objects.filter(shard__in=a_shards).count()
@@ -351,40 +351,32 @@ def test_sigterm_with_10000_sleeping_runs_and_50_handlers_in_flight(workers, rec
         require_alive=["b"],
     )
     metric(record_property, "takeover_after_exit_s", round(took, 2))
+
+    # Claims belong to their lease token: b released a's 50 claims to run again the
+    # moment it loaded those shards, not at their claim timeout (CLAIM_TIMEOUT_S).
+    def reclaimed() -> int:
+        lines = workers.workers["b"].events("shard.loaded")
+        fields = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in lines]
+        return sum(int(f["reclaimed"]) for f in fields if int(f["shard"]) in a_shards)
+
+    workers.wait_until(lambda: reclaimed() == 50, timeout_s=5, what="b reclaiming 50 claims")
     took += workers.wait_until(
-        lambda: Timer.objects.filter(key__in=keys, attempts=2).count() == 50,
-        timeout_s=LEASE_TTL_S - took,
-        what="b re-running a's 50 claims before any lease TTL (not at their claim timeout)",
+        lambda: (
+            WorkflowRun.objects.filter(state="completed").count() == 10_000
+            and records("inflight").keys() == set(keys)
+        ),
+        timeout_s=60,
+        what="every run woken and completed, and a's 50 handlers run again",
         require_alive=["b"],
     )
-    metric(record_property, "reruns_started_after_exit_s", round(took, 2))
-    took += workers.wait_until(
-        lambda: WorkflowRun.objects.filter(state="completed").count() == 10_000,
-        timeout_s=90,
-        what="every run woken and completed",
-        require_alive=["b"],
+    metric(record_property, "all_done_after_exit_s", round(took, 2))
+    metric(record_property, "runs_on_a", on_a)
+    a_tokens = workers.workers["a"].leases_taken()
+    by_a = Timer.objects.filter(kind="workflow", fire_at_ms=wake).values_list(
+        "shard", "fired_token"
     )
-    metric(record_property, "all_runs_done_after_exit_s", round(took, 2))
-    workers.wait_until(
-        lambda: records("inflight").keys() == set(keys),
-        timeout_s=15,
-        what="the 50 reruns",
-        explain=lambda: list(
-            Timer.objects.filter(key__in=keys).values_list("state", "attempts", "last_error")
-        )[:5],
-    )
-    metric(record_property, "runs_woken_from_a", on_a)
+    metric(record_property, "woken_by_a", sum(1 for pair in by_a if pair in a_tokens))
     assert not WorkflowRun.objects.filter(finished_at__lt=at(wake)).exists(), "woke early"
-    metric(
-        record_property,
-        "woken_by_a",
-        Timer.objects.filter(
-            kind="workflow",
-            shard__in=a_shards,
-            fire_at_ms=wake,
-            fired_token__in=[t for s, t in workers.workers["a"].leases_taken()],
-        ).count(),
-    )
     assert max(records("inflight").values()) == 1
 
 
