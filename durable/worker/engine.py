@@ -279,7 +279,14 @@ class Engine(Ownership):
         work = [(runner, runner.due(now)) for runner in list(self.runners.values())]
         behind: set[int] = set()  # shards with due timers left for the next turn
         fired = 0
-        for batch in pack(work, self.conf.BATCH_SIZE):
+        batches = pack(work, self.conf.BATCH_SIZE)
+        for index, batch in enumerate(batches):
+            if self.stop_event.is_set():
+                # Stopping (SIGTERM): no new batch, or a backlog of many would hold the
+                # exit back. The rest stays pending for the shards' next owners, and
+                # their cursors stay before it (they catch it up as a backlog).
+                behind.update(runner.shard for later in batches[index:] for runner, _ in later)
+                break
             # A long turn must not let leases lapse: renew between batches.
             self._renew_if_due()
             # Shards lost meanwhile are left out; the new owner rebuilds from the rows.
