@@ -29,3 +29,9 @@ class ClockStampField(models.DateTimeField):
             value = current_datetime()
             setattr(model_instance, self.attname, value)
         return value
+
+
+def clock_stamp() -> ClockStampField:
+    """A ``created_at``/``updated_at`` of durable's models: a :class:`ClockStampField`
+    that forms never edit (as ``auto_now`` fields were)."""
+    return ClockStampField(editable=False, blank=True)

@@ -13,13 +13,12 @@ from django.db.models import Q
 # The choices and the queryset live beside the models; importing them here keeps
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
-from durable.fields import ClockStampField
+from durable.fields import clock_stamp as _stamp
+
+# In a module of its own (this one stays under the size limit); re-exported here.
+from durable.limits import ConcurrencyKey as ConcurrencyKey
+from durable.limits import concurrency_indexes, concurrency_key_field, queued_ms_field
 from durable.querysets import WorkflowRunQuerySet
-
-
-def _stamp() -> ClockStampField:
-    """A time durable stamps itself from its injected clock, not the wall clock."""
-    return ClockStampField(editable=False, blank=True)
 
 
 def _parent_field() -> models.ForeignKey:
@@ -82,9 +81,12 @@ class Timer(models.Model):
     created_at = _stamp()
     updated_at = _stamp()
     fired_at = models.DateTimeField(null=True, blank=True)
+    concurrency_key = concurrency_key_field()
+    queued_ms = queued_ms_field()
 
     class Meta:
         indexes = [
+            *concurrency_indexes(),  # a key's running timers, and its line
             models.Index(
                 fields=["parent"],
                 name="durable_timer_parent_idx",

@@ -229,6 +229,7 @@ class _Planner:
             self.check_call(follow, [], FOLLOWUP_KWARGS, where, "on_complete")
             on_complete = follow.name
         parent = get("parent")
+        limit = spec.concurrency
         return store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -243,6 +244,7 @@ class _Planner:
             parent_id=None if parent is None else self.parent_id(parent, where),
             on_complete=on_complete or "",
             context=context,
+            concurrency_key=None if limit is None else limit.key_for(spec.name, args, kwargs),
         )
 
     def check_call(

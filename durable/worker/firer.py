@@ -39,7 +39,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import Any
 
 from django.db import InterfaceError, OperationalError, transaction
 
@@ -47,14 +46,15 @@ from durable.conf import DurableSettings
 from durable.core.clock import Clock
 from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
-from durable.dispatch.context import FireContext, firing
+from durable.dispatch.context import firing
 from durable.dispatch.registry import HandlerRegistry, HandlerSpec, check_stored_call
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
+from durable.worker import admission
 from durable.worker.attempts import AttemptTracker
-from durable.worker.batches import BatchOutcome, Work, merge
+from durable.worker.batches import BatchOutcome, Work, fire_context, merge
 from durable.worker.deadline import Deadlines
 from durable.worker.external import ExternalRunner
 from durable.worker.logs import event
@@ -105,6 +105,7 @@ class Firer:
         self.clock = clock
         self.inbox = inbox
         self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
+        self.lookup = registry.get
         self.metrics = metrics
         self.outcomes = Outcomes(db=db, conf=conf, metrics=metrics)
         self.external = ExternalRunner(
@@ -288,6 +289,8 @@ class Firer:
             stale, due = store.fence_and_lock_due(self.db, tokens, ids, now_ms)
             if stale:
                 raise _Fenced(stale)
+            shift = self.conf.BUCKET_SHIFT  # over their key's limit: parked (not in due)
+            due = admission.admit(self.db, due, counted, self.lookup, now_ms, shift)
             # Fast path: broker publishes (Celery timers) are held and sent in one flush
             # before the commit, and kinds do their batch-wide work once (cron locks all
             # its schedule rows in one read); the careful redo goes one timer at a time,
@@ -345,7 +348,7 @@ class Firer:
                 return False
             out.external.append((timer, spec))
             return True
-        ctx = _context(timer, now_ms, token, self.metrics)
+        ctx = fire_context(timer, now_ms, token, self.metrics)
         timeout = spec.timeout if spec.timeout is not None else self.conf.ATOMIC_TIMEOUT_S
         timeout = min(timeout, self.conf.LEASE_TTL_S / 2)  # it holds the loop: keep leases
         if failed is None:
@@ -384,16 +387,3 @@ class Firer:
         except KeyError:
             raise LookupError(f"no dispatcher for timer kind {timer.kind!r}") from None
         return resolver(timer.target)
-
-
-def _context(timer: store.DueTimer, now_ms: int, token: int, metrics: Any = None) -> FireContext:
-    return FireContext(
-        timer_id=timer.id,
-        key=timer.key,
-        attempt=timer.attempts,
-        scheduled_ms=timer.fire_at_ms,
-        fired_ms=now_ms,
-        shard=timer.shard,
-        token=token,
-        metrics=metrics,
-    )

@@ -40,6 +40,11 @@ def stamped(label: str) -> None:
     note(label)
 
 
+@durable.handler(atomic=False, concurrency_key="stamps", max_concurrency=1)
+def limited(label: str) -> None:
+    note(label)
+
+
 @durable.workflow
 def late_signal(ctx):
     """A step at once, a signal awaited (sent at +20 h), then a step after a sleep."""
@@ -65,6 +70,7 @@ def trip(django_db_setup, django_db_blocker):
                 "stamps", "testproject.demo.crons.record", every=timedelta(hours=6)
             )
             durable.schedule(stamped, args=["late"], delay=timedelta(hours=3))
+            durable.schedule(limited, args=["keyed"], delay=timedelta(hours=4))
             # More than one timer: PostgreSQL's columnar bulk insert.
             durable.schedule_many(
                 [{"fn": stamped, "args": [f"b{n}"], "delay": timedelta(hours=n)} for n in (1, 2)]

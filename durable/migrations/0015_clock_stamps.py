@@ -9,6 +9,7 @@ from django.db import migrations
 import durable.fields
 
 STAMPED = {
+    "concurrencykey": ("updated_at",),
     "cronschedule": ("created_at", "updated_at"),
     "shardlease": ("updated_at",),
     "timer": ("created_at", "updated_at"),
@@ -20,7 +21,7 @@ STAMPED = {
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("durable", "0013_step_times"),
+        ("durable", "0014_concurrency"),
     ]
 
     operations = [
