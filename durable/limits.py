@@ -12,6 +12,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from durable.fields import clock_stamp
+
 
 class ConcurrencyKey(models.Model):
     """One concurrency key of a handler: ``"<handler dotted name>:<key>"``."""
@@ -26,7 +28,7 @@ class ConcurrencyKey(models.Model):
     recent = models.JSONField(
         default=list, blank=True, help_text="epoch ms of its last starts (the rate's window)"
     )
-    updated_at = models.DateTimeField(auto_now=True)
+    updated_at = clock_stamp()  # the injected clock's, not the wall clock's
 
     class Meta:
         app_label = "durable"

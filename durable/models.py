@@ -13,6 +13,7 @@ from django.db.models import Q
 # The choices and the queryset live beside the models; importing them here keeps
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
+from durable.fields import clock_stamp as _stamp
 
 # In a module of its own (this one stays under the size limit); re-exported here.
 from durable.limits import ConcurrencyKey as ConcurrencyKey
@@ -77,8 +78,8 @@ class Timer(models.Model):
         help_text="debounced timer: when its burst's first call came (epoch ms); "
         "max_wait counts from it",
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = _stamp()
+    updated_at = _stamp()
     fired_at = models.DateTimeField(null=True, blank=True)
     concurrency_key = concurrency_key_field()
     queued_ms = queued_ms_field()
@@ -134,7 +135,7 @@ class ShardLease(models.Model):
     cursor_ms = models.BigIntegerField(
         default=0, help_text="everything due up to this instant has been fired"
     )
-    updated_at = models.DateTimeField(auto_now=True)
+    updated_at = _stamp()
     raft_term = models.BigIntegerField(
         default=0, help_text="Raft term of the leader that took it (0: taken by lease rules)"
     )
@@ -242,8 +243,8 @@ class CronSchedule(models.Model):
     fired_count = models.PositiveBigIntegerField(default=0)
     failed_count = models.PositiveBigIntegerField(default=0)
     skipped_count = models.PositiveBigIntegerField(default=0)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = _stamp()
+    updated_at = _stamp()
 
     class Meta:
         indexes = [
@@ -294,8 +295,8 @@ class WorkflowRun(models.Model):
     wait_seq = models.IntegerField(null=True, blank=True)
     replays = models.PositiveIntegerField(default=0)
     retries = models.PositiveIntegerField(default=0)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = _stamp()
+    updated_at = _stamp()
     finished_at = models.DateTimeField(null=True, blank=True)
 
     objects = WorkflowRunQuerySet.as_manager()
@@ -360,8 +361,8 @@ class WorkflowStep(models.Model):
     duration_ms = models.PositiveIntegerField(
         null=True, blank=True, help_text="how long the step's latest attempt ran, ms"
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = _stamp()
+    updated_at = _stamp()
 
     class Meta:
         constraints = [
@@ -378,7 +379,7 @@ class WorkflowSignal(models.Model):
     run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals")
     name = models.CharField(max_length=200)
     payload = models.JSONField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
+    created_at = _stamp()
     consumed_at = models.DateTimeField(null=True, blank=True)
     consumed_seq = models.IntegerField(null=True, blank=True)
 

@@ -8,7 +8,10 @@ milliseconds); nothing else calls ``time.time()``. Tests inject
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Protocol
+
+from durable.core.timeutil import ms_to_datetime
 
 
 class Clock(Protocol):
@@ -53,3 +56,13 @@ def install_clock(clock: Clock) -> Clock:
     previous = _process_clock[0]
     _process_clock[0] = clock
     return previous
+
+
+def current_datetime() -> datetime:
+    """Return the process clock's time as an aware UTC datetime (whole milliseconds).
+
+    What an insert without a ``created_at``/``updated_at`` stamps
+    (``durable.fields.ClockStampField``), instead of the wall clock Django's
+    ``auto_now`` would read.
+    """
+    return ms_to_datetime(_process_clock[0].now_ms())

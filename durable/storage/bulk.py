@@ -12,16 +12,36 @@ from __future__ import annotations
 import gc
 import json
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 from django.db import connections, models
-from django.utils import timezone
 
+from durable.core.clock import current_datetime
 from durable.models import Timer
 
 _NUMBERS = (int, float)  # exact types: a bool or an IntEnum goes the JSON way
+
+#: Timer's clock stamps (``durable.fields.ClockStampField``).
+STAMPS = ("created_at", "updated_at")
+
+
+def stamp_unset(timers: Iterable[Timer]) -> None:
+    """Set the clock stamps a timer lacks to the injected clock's now, read once.
+
+    What the field's ``pre_save`` does row by row, for a batch: its rows share one value
+    (a single parameter of the columnar insert, which skips ``pre_save``), and a time the
+    caller set is kept.
+    """
+    now: datetime | None = None
+    for timer in timers:
+        state = timer.__dict__
+        for name in STAMPS:
+            if state.get(name) is None:
+                now = now or current_datetime()
+                state[name] = now
 
 
 def bulk_insert(db: str, timers: Sequence[Timer]) -> None:
@@ -30,6 +50,7 @@ def bulk_insert(db: str, timers: Sequence[Timer]) -> None:
     On PostgreSQL, a columnar ``INSERT ... SELECT``; elsewhere, or when a column cannot
     go that way, ``bulk_create`` (which SQLite splits by its bound-variable limit).
     """
+    stamp_unset(timers)
     if len(timers) > 1 and connections[db].vendor == "postgresql":
         with paused_gc():
             sql, params = _columnar_insert(db, timers)
@@ -79,11 +100,6 @@ def _columnar_insert(db: str, timers: Sequence[Timer]) -> tuple[str, list[Any]]:
     """
     connection = connections[db]
     fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
-    now = timezone.now()
-    for field in fields:
-        if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
-            for timer in timers:
-                timer.__dict__[field.attname] = now  # what pre_save() does in bulk_create
     selects: list[str] = []  # one expression per column
     select_params: list[Any] = []
     # c0 counts the rows even when every column is uniform. A function scan reads its

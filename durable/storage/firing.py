@@ -265,7 +265,7 @@ def mark_failed(
         attempts=attempts,
         fired_token=token,
         fired_at=ms_to_dt(now_ms),
-        updated_at=ms_to_dt(now_ms),  # update() skips auto_now; retention goes by it
+        updated_at=ms_to_dt(now_ms),  # retention goes by it
         claim_expires_ms=None,
         claim_token=None,
         last_error=error,

@@ -76,6 +76,7 @@ def acquire(db: str, shard: int, owner: str, now_ms: int, ttl_s: float) -> int |
             token=F("token") + 1,
             expires_at=now + timedelta(seconds=ttl_s),
             raft_term=0,
+            updated_at=now,  # as acquire_many's SQL does
         )
         if not taken:
             return None

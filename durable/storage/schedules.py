@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connections
-from django.utils import timezone
 
 from durable.conf import get_settings
+from durable.core.clock import current_datetime
 from durable.core.sharding import bucket_of, shard_for
 from durable.core.timeutil import ms_to_datetime
 from durable.models import CronSchedule, Timer, TimerKind, TimerState
@@ -75,11 +75,13 @@ def insert(db: str, row: CronSchedule) -> CronSchedule:
 
 
 def save(db: str, row: CronSchedule, fields: Iterable[str]) -> None:
-    """Write ``fields`` of a locked row (``next_at`` follows ``next_ms``)."""
+    """Write ``fields`` of a locked row (``next_at`` follows ``next_ms``; ``updated_at``
+    is stamped from the injected clock)."""
     names = set(fields)
     if "next_ms" in names:
         row.next_at = None if row.next_ms is None else ms_to_datetime(row.next_ms)
         names.add("next_at")
+    row.updated_at = current_datetime()
     row.save(using=db, update_fields=sorted(names | {"updated_at"}))
 
 
@@ -180,7 +182,7 @@ def save_many(db: str, rows: list[CronSchedule], fields: Sequence[str]) -> None:
             save(db, row, fields)
         return
     names = sorted({*fields, "updated_at"} | ({"next_at"} if "next_ms" in fields else set()))
-    now = timezone.now()
+    now = current_datetime()
     for row in rows:
         row.next_at = None if row.next_ms is None else ms_to_datetime(row.next_ms)
         row.updated_at = now

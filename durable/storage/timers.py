@@ -28,7 +28,7 @@ from durable.core.sharding import bucket_of, shard_for, shard_of_timer
 from durable.dispatch.registry import handlers
 from durable.models import Timer, TimerKind, TimerState
 from durable.storage import concurrency
-from durable.storage.bulk import bulk_insert
+from durable.storage.bulk import bulk_insert, stamp_unset
 from durable.storage.leases import ms_to_dt
 from durable.storage.notify import notify_shards, notify_timers
 
@@ -83,8 +83,8 @@ def insert_if_absent(db: str, timer: Timer) -> bool:
     One statement instead of a look-up, a savepoint, the insert and its release: it runs
     for every keyed schedule(), every follow-up and workflow wake-up, and every cron
     occurrence's next timer, often inside a firing batch. It goes through the ORM's
-    insert query (what ``save()`` and ``bulk_create()`` use), so columns, defaults and
-    ``auto_now`` stamps stay Django's.
+    insert query (what ``save()`` and ``bulk_create()`` use), so columns and defaults
+    stay Django's.
     """
     fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
     rows = Timer.objects.using(db)._insert(
@@ -188,6 +188,7 @@ def insert_many_if_absent(db: str, timers: list[Timer]) -> set[str]:
     """:func:`insert_if_absent` for keyed timers in one statement; return the keys that were new."""
     if not timers:
         return set()
+    stamp_unset(timers)  # one clock reading for the statement (pre_save takes one a row)
     fields = [f for f in Timer._meta.concrete_fields if not f.primary_key]
     key_field = Timer._meta.get_field("key")
     rows = Timer.objects.using(db)._insert(
@@ -367,8 +368,8 @@ def _policy(name: str) -> tuple[int, float, float]:
 
 
 def _set_canceled(db: str, ids: list[int], now_ms: int) -> int:
-    # ``update()`` skips auto_now; stamp updated_at (with the caller's clock, as firing
-    # does) since retention pruning of cancelled rows goes by it.
+    # Stamp updated_at (with the caller's clock, as firing does): retention pruning of
+    # cancelled rows goes by it.
     count = 0
     when = ms_to_dt(now_ms)
     for chunk in _chunks(ids):

@@ -84,8 +84,7 @@ def insert_started(db: str, run: WorkflowRun, timer: Timer) -> None:
 
     Outside a transaction the statement is its own: ``start()`` then costs one round
     trip instead of five (BEGIN, two inserts, the NOTIFY, COMMIT). The inserts are
-    Django's own (``InsertQuery``), so columns, defaults and ``auto_now`` stamps stay the
-    ORM's.
+    Django's own (``InsertQuery``), so columns, defaults and clock stamps stay the ORM's.
     """
     run_sql, run_params = _insert_sql(db, WorkflowRun, run, with_pk=True)
     timer_sql, timer_params = _insert_sql(db, Timer, timer, with_pk=False)
@@ -197,9 +196,11 @@ def lock_run(db: str, run_id: str) -> WorkflowRun | None:
     return WorkflowRun.objects.using(db).select_for_update().filter(pk=run_id).first()
 
 
-def add_signal(db: str, run_id: str, name: str, payload: Any) -> WorkflowSignal:
-    """Store a signal for the run."""
-    return WorkflowSignal.objects.using(db).create(run_id=run_id, name=name, payload=payload)
+def add_signal(db: str, run_id: str, name: str, payload: Any, now_ms: int) -> WorkflowSignal:
+    """Store a signal for the run, sent at ``now_ms``."""
+    return WorkflowSignal.objects.using(db).create(
+        run_id=run_id, name=name, payload=payload, created_at=ms_to_dt(now_ms)
+    )
 
 
 def cancel_tree(db: str, root: WorkflowRun, now_ms: int) -> list[str]:

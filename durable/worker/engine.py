@@ -216,10 +216,15 @@ class Engine(Ownership):
 
     def shutdown(self, wait_s: float | None = None) -> None:
         """Finish in-flight external handlers (up to ``SHUTDOWN_GRACE_S``), release leases,
-        mark stopped. Handlers still running then are left to their daemon threads: the
-        shards' next owners re-run their claims at once."""
+        mark stopped. Meanwhile every shard with no handler in flight is handed over at
+        once (see ``Ownership._hand_over``). Handlers still running then are left to their
+        daemon threads: the shards' next owners re-run their claims at once."""
         grace = self.conf.SHUTDOWN_GRACE_S if wait_s is None else wait_s
         deadline = time.monotonic() + grace
+        try:
+            self._hand_over(deadline)
+        except DatabaseError as exc:  # the database is away: wait, then release what we can
+            event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
         while self.firer.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -230,6 +235,9 @@ class Engine(Ownership):
             for shard in sorted(self.runners):
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
+            for got in self.keeper.take_unloaded():  # taken, never served: free them too
+                self.keeper.release(got.shard, got.token, got.cursor_ms)
+                self.keeper.loaded(got.shard)
             lease_store.mark_stopped(self.db, self.node, self.clock.now_ms())
         except DatabaseError as exc:
             event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)
@@ -279,7 +287,14 @@ class Engine(Ownership):
         work = [(runner, runner.due(now)) for runner in list(self.runners.values())]
         behind: set[int] = set()  # shards with due timers left for the next turn
         fired = 0
-        for batch in pack(work, self.conf.BATCH_SIZE):
+        batches = pack(work, self.conf.BATCH_SIZE)
+        for index, batch in enumerate(batches):
+            if self.stop_event.is_set():
+                # Stopping (SIGTERM): no new batch, or a backlog of many would hold the
+                # exit back. The rest stays pending for the shards' next owners, and
+                # their cursors stay before it (they catch it up as a backlog).
+                behind.update(runner.shard for later in batches[index:] for runner, _ in later)
+                break
             # A long turn must not let leases lapse: renew between batches.
             self._renew_if_due()
             # Shards lost meanwhile are left out; the new owner rebuilds from the rows.

@@ -111,6 +111,11 @@ class ExternalRunner:
         with self._lock:
             return len(self._running)
 
+    def busy_shards(self) -> set[int]:
+        """Shards with an external attempt in flight (its completion needs their lease)."""
+        with self._lock:
+            return {entry.shard for entry in self._running.values()}
+
     @property
     def free(self) -> int:
         """How many more external timers the pool can take now."""

@@ -9,6 +9,7 @@ shards) only at the start of a turn.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from durable.storage import leases as lease_store
@@ -69,6 +70,7 @@ class Ownership:
     def _maintain_leases(self, now: int) -> None:
         self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
         self._next_renew_ms = 0
+        self._load_unloaded(now)  # a database error cut an earlier turn's loading short
         self._renew_if_due()
         rows = lease_store.snapshot(self.db)
         foreign_expiry = self.keeper.next_foreign_expiry_ms(rows, now)
@@ -85,10 +87,47 @@ class Ownership:
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
                 self.metrics.on_lease("released", len(self.runners))
-        taken = self.keeper.acquire_as_leader(self.runners, now)
-        for got in taken + self.keeper.acquire_up_to_share(self.runners, now, rows):
+        self.keeper.acquire_as_leader(self.runners, now)
+        self._load_unloaded(now)
+        self.keeper.acquire_up_to_share(self.runners, now, rows)
+        self._load_unloaded(now)
+
+    def _load_unloaded(self, now: int) -> None:
+        """Build a runner for every lease taken and not loaded yet: this turn's, and any a
+        database error cut short in an earlier turn (renewal, right after, drops it if it
+        was taken meanwhile; every batch is fenced by its token anyway)."""
+        for got in self.keeper.take_unloaded():
             runner = load_acquired(self.db, self.conf, got, now, raft=self.raft is not None)
             self.runners[got.shard] = runner
+            self.keeper.loaded(got.shard)
             self.metrics.on_rebuild(runner.rebuild_s)
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
+
+    def _hand_over(self, deadline: float) -> None:
+        """Stopping: wait for the external attempts in flight (until ``deadline``, a
+        ``time.monotonic()`` reading), handing every other shard over meanwhile.
+
+        The node is marked stopped first, so peers count it out and take at once what it
+        releases: each shard with no attempt in flight goes now, each busy one as soon as
+        its attempts are done. The busy ones' leases are renewed while they wait: a grace
+        period longer than ``LEASE_TTL_S`` must not let them lapse, or a peer would take
+        the shard, fence the handlers' completions out and run them again.
+        """
+        lease_store.mark_stopped(self.db, self.node, self.clock.now_ms())
+        next_renew_ms = 0
+        while True:
+            for shard in sorted(set(self.runners) - self.firer.external.busy_shards()):
+                runner = self.runners.pop(shard)
+                self.keeper.release(shard, runner.token, runner.cursor_ms)
+                self.metrics.on_lease("released", len(self.runners))
+            if not self.firer.in_flight or time.monotonic() >= deadline:
+                return
+            now = self.clock.now_ms()
+            if now >= next_renew_ms:  # no heartbeat: that would count the node in again
+                next_renew_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
+                held = {s: r.token for s, r in self.runners.items()}
+                cursors = {s: r.cursor_ms for s, r in self.runners.items()}
+                for shard in self.keeper.renew(held, cursors, now):
+                    self._drop(shard, reason="renewal found it taken over")
+            time.sleep(0.05)

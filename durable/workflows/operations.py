@@ -93,7 +93,7 @@ def send_signal(
             raise WorkflowError(
                 f"run {run_id} is {run.state}; it takes no more signals", run_id=run_id
             )
-        signal = store.add_signal(db, run_id, name, payload)
+        signal = store.add_signal(db, run_id, name, payload, now_ms)
         if run.state == WorkflowState.WAITING and run.wait_signal == name:
             key = store.wake_key(run_id, run.wait_seq, "signal")
             store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms)

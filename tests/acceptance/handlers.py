@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import durable
 from durable.dispatch.context import current_fire
+from durable.exceptions import HandlerTimeout
 from testproject.demo.models import FireRecord
 
 
@@ -45,6 +47,43 @@ def record_externally_slowly(key: str, marker: str, seconds: float) -> str:
 def outside_pause(key: str, seconds: float) -> str:
     """An outside-effect handler (default policy) that takes ``seconds``, then records."""
     time.sleep(seconds)
+    FireRecord.objects.create(key=key, fired_at_ms=time.time_ns() // 1_000_000)
+    return key
+
+
+@durable.handler(max_attempts=3)
+def overstay(key: str, marker: str, seconds: float) -> str:
+    """An atomic handler whose first run ignores its deadline and lasts ``seconds``.
+
+    It records ``key`` first, so the row commits with the fire or not at all. The first
+    run (no ``marker`` yet) swallows the ``HandlerTimeout`` the worker raises in it, as a
+    handler with a broad ``except`` does, and so holds its batch past ``LEASE_TTL_S``;
+    any later run returns at once.
+    """
+    ctx = current_fire()
+    assert ctx is not None
+    FireRecord.objects.create(key=key, fired_at_ms=ctx.fired_ms, due_at_ms=ctx.scheduled_ms)
+    if Path(marker).exists():
+        return key
+    Path(marker).write_text(key)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with contextlib.suppress(HandlerTimeout):  # a broad except, as handlers have
+            time.sleep(0.02)
+    return key
+
+
+@durable.handler(atomic=False)
+def linger_first(key: str, seconds: float) -> str:
+    """An outside handler whose first attempt takes ``seconds``; later ones record at once.
+
+    So a test can leave first attempts in flight in a worker it stops, and see the next
+    owner's re-runs finish quickly.
+    """
+    ctx = current_fire()
+    assert ctx is not None
+    if ctx.attempt == 1:
+        time.sleep(seconds)
     FireRecord.objects.create(key=key, fired_at_ms=time.time_ns() // 1_000_000)
     return key
 

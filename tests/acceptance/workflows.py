@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import durable
@@ -92,3 +92,24 @@ def two_pauses(ctx, index, seconds):
     ctx.step(pause, index, seconds)
     ctx.atomic(record, f"s{index}")
     return index
+
+
+def at_ms(ms: int) -> datetime:
+    """Epoch ms as an aware UTC datetime."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+@durable.workflow
+def sleep_until_then_record(ctx, key, wake_ms):
+    """Sleep until ``wake_ms`` (all runs of a test wake at one instant), then record
+    ``key`` in the final checkpoint: the row commits with the run's end, or never."""
+    ctx.sleep_until(at_ms(wake_ms))
+    ctx.atomic(record, key)
+    return key
+
+
+@durable.workflow
+def nap(ctx, seconds):
+    """Sleep ``seconds``, then end (the run's row says when)."""
+    ctx.sleep(timedelta(seconds=seconds))
+    return seconds
