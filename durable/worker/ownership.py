@@ -66,6 +66,26 @@ class Ownership:
         cursors = {s: r.cursor_ms for s, r in self.runners.items()}
         for shard in self.keeper.renew(held, cursors, now):
             self._drop(shard, reason="renewal found it taken over")
+        self._log_busy_handlers()
+
+    def _log_busy_handlers(self) -> None:
+        """Say, once a renewal, that due external timers wait for a free handler thread.
+
+        Parked timers give their counted attempt back and log nothing else, so a pool held
+        by handlers that run long (a workflow replay has no deadline) was invisible: the
+        Raft chaos run's shard-42 stall (docs/reliability.md) could not be told from it.
+        """
+        external = self.firer.external
+        if external.parked:
+            event(
+                log,
+                logging.WARNING,
+                "worker.handlers_busy",
+                node=self.node,
+                parked=external.parked,
+                in_flight=external.in_flight,
+                threads=external.pool.size,
+            )
 
     def _maintain_leases(self, now: int) -> None:
         self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)

@@ -173,6 +173,26 @@ def test_no_more_external_claims_than_free_threads(engine, clock):
     assert set(Timer.objects.values_list("state", "attempts")) == {("fired", 1)}
 
 
+def test_a_renewal_logs_due_timers_waiting_for_a_handler_thread(engine, clock, caplog):
+    """Parked timers give their attempt back silently; the renewal says they wait."""
+    for i in range(3):
+        poison.GATES.setdefault(f"b{i}", threading.Event()).clear()
+        durable.schedule(poison.gated, args=[f"b{i}"])
+    load(engine, clock)
+    engine.tick()
+    assert engine.firer.external.parked == 1
+    caplog.set_level(logging.WARNING, logger="durable.worker")
+    clock.advance(int(engine.conf.LEASE_TTL_S * 1000 / 3) + 1)
+    engine.tick()  # renews: both threads still held
+    busy = [r.getMessage() for r in caplog.records if "worker.handlers_busy" in r.getMessage()]
+    assert len(busy) == 1
+    assert "parked=1" in busy[0] and "in_flight=2" in busy[0] and "threads=2" in busy[0]
+    for i in range(3):
+        poison.GATES[f"b{i}"].set()
+    turns(engine, clock, n=5)
+    assert keys("b") == ["b0", "b1", "b2"]
+
+
 def test_an_attempt_that_never_finished_counts_and_the_last_one_dead_letters(engine, clock, caplog):
     # As if a worker had counted the attempts and died in the handler (os._exit):
     # nothing else of either attempt was written.
