@@ -1,0 +1,59 @@
+"""One poller for every Raft group of a node: the sidecar sleeps in one ``poll``.
+
+pysyncobj gives each ``SyncObj`` its own poller, and a manual ``doTick(0)`` polls it: 64
+groups meant 64 ``poll`` system calls every tick, 1,280 a second at the 50 ms tick, and
+a message that arrived just after its group's poll waited a whole tick to be read. Here
+every group's sockets subscribe to one :class:`SharedPoller`. The sidecar blocks in it
+between turns (the GIL free, so the worker's fire path runs), reads each message the
+moment it arrives (a vote, a heartbeat, an append) and runs the groups' timer work (elections,
+heartbeats, commits) once per tick. The groups keep a :class:`GroupPoller`, whose
+``poll`` does nothing: pysyncobj's tick ends with a poll of its own poller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pysyncobj.poller import PollPoller
+
+
+class SharedPoller(PollPoller):  # type: ignore[misc]
+    """pysyncobj's ``poll(2)`` poller, shared by every group of the node."""
+
+
+class GroupPoller:
+    """What one ``SyncObj`` sees as its poller: subscriptions go to the shared one."""
+
+    def __init__(self, shared: SharedPoller) -> None:
+        self.shared = shared
+
+    def subscribe(self, descr: int, callback: Callable[[int, int], None], mask: int) -> None:
+        """Watch ``descr`` in the shared poller."""
+        self.shared.subscribe(descr, callback, mask)
+
+    def unsubscribe(self, descr: int) -> None:
+        """Stop watching ``descr``."""
+        self.shared.unsubscribe(descr)
+
+    def poll(self, timeout: float) -> None:
+        """Nothing: the sidecar polls the shared poller for every group at once."""
+
+
+@contextlib.contextmanager
+def groups_share(shared: SharedPoller) -> Iterator[None]:
+    """While it lasts, every new ``SyncObj`` gets a :class:`GroupPoller` on ``shared``.
+
+    pysyncobj builds its poller in ``SyncObj.__init__`` (``createPoller``, looked up in
+    ``pysyncobj.syncobj``) before its transport subscribes anything; only the sidecar's
+    start builds groups, on one thread.
+    """
+    import pysyncobj.syncobj as syncobj_module
+
+    original: Callable[[str], Any] = syncobj_module.createPoller
+    syncobj_module.createPoller = lambda kind: GroupPoller(shared)
+    try:
+        yield
+    finally:
+        syncobj_module.createPoller = original
