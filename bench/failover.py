@@ -13,11 +13,11 @@ with the reason when this checkout's worker cannot run Raft.
 ``durable_failover_bench`` (``BENCH_FAILOVER_DB``; created and migrated if missing),
 ``--timers`` pending timers in the wheels' horizon (3 to 58 min out, never due during the
 run), a stream of ``--rate`` no-op timers a second due from 5 s after the nodes are ready,
-and 200 workflow runs asleep (``tests.acceptance.workflows.sleep_then_record``) whose wake-
-ups are due 0.3-1.0 s after the kill. 3 s into the stream the node holding the most shards
-is SIGKILLed (three nodes share the shards fairly, so it holds 21 or 22). Figures: from the
-kill to the last overdue timer of its shards fired (overdue: due before its shard's new
-owner fired anything there), to the last of its runs resumed (recorded its wake-up), the
+and 200 workflow runs asleep (``tests.acceptance.workflows.sleep_then_record``) whose
+wake-ups are due 0.3-1.0 s after the kill. 3 s into the stream the node holding the most
+shards is SIGKILLed (three nodes share the shards fairly, so it holds 21 or 22). Figures:
+from the kill to the last overdue timer of its shards fired (overdue: due before its shard's
+new owner fired anything there), to the last of its runs resumed (recorded its wake-up), the
 worst lateness, and lost/doubled/early counts. A timer's fire time is the ``fired_at`` its
 batch stamps; a run's is the wall clock its atomic step records.
 

@@ -5,7 +5,9 @@ groups, 3 processes on loopback, password set): 64 auto-ticking threads, each in
 ``select`` loop, cost 18-29 % of a core per idle process; one thread calling every group's
 ``doTick(0)`` in turn costs 15-19 % at a 50 ms tick (docs: worker reference). So this node
 runs one sidecar thread, beside the worker's loop and never in it, that ticks its groups
-and drains their replication queues; the groups share nothing else.
+and drains their replication queues. The groups share one poller
+(:mod:`durable.raft.polling`): the sidecar sleeps in one ``poll`` over all their sockets
+between turns and reads each message as it arrives; they share nothing else.
 
 pysyncobj is imported here and only here (and in :mod:`durable.raft.transport`), when a
 :class:`GroupSet` is built: with Raft off, nothing of it is loaded.
