@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
+from durable.raft.polling import restart_election_timer_while_alone
 from durable.raft.standby import StandbyWheel
 from durable.raft.state import MAX_COMMAND_ENTRIES, BadBatch, Handed, ShardState, shape
 from durable.worker.logs import event
@@ -127,10 +128,10 @@ class GroupSet:
             syncobj_module.getEncryptor = functools.lru_cache(maxsize=4)(
                 syncobj_module.getEncryptor
             )
-        from durable.raft.polling import SharedPoller, groups_share
+        from durable.raft.polling import groups_share, shared_poller
 
         consumer_class = _consumer_class()
-        self.poller = SharedPoller()
+        self.poller = shared_poller()
         c = self.config
         for shard in self.shards:
             check_bindable(c.group_address(c.bind, shard), shard)
@@ -227,6 +228,7 @@ class GroupSet:
     def _turn(self, now: float) -> None:
         budget = [DRAIN_PER_TICK]
         for group in self.groups.values():
+            restart_election_timer_while_alone(group.syncobj, now)
             group.syncobj.doTick(0.0)
             self._drain(group, budget)
             self._observe(group, now)

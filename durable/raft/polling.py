@@ -3,11 +3,14 @@
 pysyncobj gives each ``SyncObj`` its own poller, and a manual ``doTick(0)`` polls it: 64
 groups meant 64 ``poll`` system calls every tick, 1,280 a second at the 50 ms tick, and
 a message that arrived just after its group's poll waited a whole tick to be read. Here
-every group's sockets subscribe to one :class:`SharedPoller`. The sidecar blocks in it
+every group's sockets subscribe to one poller (:func:`shared_poller`). The sidecar blocks in it
 between turns (the GIL free, so the worker's fire path runs), reads each message the
 moment it arrives (a vote, a heartbeat, an append) and runs the groups' timer work (elections,
 heartbeats, commits) once per tick. The groups keep a :class:`GroupPoller`, whose
 ``poll`` does nothing: pysyncobj's tick ends with a poll of its own poller.
+
+Also here, because it too reaches into one ``SyncObj``'s timers for the sidecar:
+:func:`restart_election_timer_while_alone`.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pysyncobj.poller import PollPoller
 
+def shared_poller() -> Any:
+    """pysyncobj's ``poll(2)`` poller, to be shared by every group of the node (pysyncobj
+    is imported here, not with the module: with Raft off nothing of it loads)."""
+    from pysyncobj.poller import PollPoller
 
-class SharedPoller(PollPoller):  # type: ignore[misc]
-    """pysyncobj's ``poll(2)`` poller, shared by every group of the node."""
+    return PollPoller()
 
 
 class GroupPoller:
     """What one ``SyncObj`` sees as its poller: subscriptions go to the shared one."""
 
-    def __init__(self, shared: SharedPoller) -> None:
+    def __init__(self, shared: Any) -> None:
         self.shared = shared
 
     def subscribe(self, descr: int, callback: Callable[[int, int], None], mask: int) -> None:
@@ -42,7 +47,7 @@ class GroupPoller:
 
 
 @contextlib.contextmanager
-def groups_share(shared: SharedPoller) -> Iterator[None]:
+def groups_share(shared: Any) -> Iterator[None]:
     """While it lasts, every new ``SyncObj`` gets a :class:`GroupPoller` on ``shared``.
 
     pysyncobj builds its poller in ``SyncObj.__init__`` (``createPoller``, looked up in
@@ -57,3 +62,22 @@ def groups_share(shared: SharedPoller) -> Iterator[None]:
         yield
     finally:
         syncobj_module.createPoller = original
+
+
+def restart_election_timer_while_alone(syncobj: Any, now: float) -> None:
+    """Keep a group that is connected to no peer from timing out until it is.
+
+    pysyncobj stands for election only when connected to someone, but its election timer
+    runs meanwhile: the first node of a cluster to start had timed out in every group by
+    the time a second one came up, stood at once in all 64 and won them all (64-0-0 and
+    36-0-28 splits in the benchmarks; a node that owns every shard fires them all alone).
+    Restarting the timer while alone makes the sliced timeouts
+    (:func:`durable.raft.config.election_window`) count from the first connection, so the
+    node ranked first in each group wins it. No effect on a failover: the survivors stay
+    connected to each other.
+    """
+    if syncobj._SyncObj__connectedNodes or syncobj._isLeader():
+        return
+    deadline = syncobj._SyncObj__raftElectionDeadline
+    if deadline < now + syncobj._SyncObj__conf.raftMinTimeout:
+        syncobj._SyncObj__raftElectionDeadline = now + syncobj._SyncObj__generateRaftTimeout()
