@@ -93,6 +93,7 @@ class Group:
     leader: str | None = None  # base address of the last known leader
     leader_seen: float = 0.0  # monotonic time a leader was last known
     changes: int = 0
+    met_peers: bool = False  # connected to a peer at least once since start
 
 
 class GroupSet:
@@ -228,7 +229,8 @@ class GroupSet:
     def _turn(self, now: float) -> None:
         budget = [DRAIN_PER_TICK]
         for group in self.groups.values():
-            restart_election_timer_while_alone(group.syncobj, now)
+            if not group.met_peers:  # start-up only: see the function
+                group.met_peers = not restart_election_timer_while_alone(group.syncobj, now)
             group.syncobj.doTick(0.0)
             self._drain(group, budget)
             self._observe(group, now)

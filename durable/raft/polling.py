@@ -64,8 +64,9 @@ def groups_share(shared: Any) -> Iterator[None]:
         syncobj_module.createPoller = original
 
 
-def restart_election_timer_while_alone(syncobj: Any, now: float) -> None:
-    """Keep a group that is connected to no peer from timing out until it is.
+def restart_election_timer_while_alone(syncobj: Any, now: float) -> bool:
+    """Keep a group that has not yet met a peer from timing out until it has; return
+    True while it is alone (the sidecar calls this only until a group first connects).
 
     pysyncobj stands for election only when connected to someone, but its election timer
     runs meanwhile: the first node of a cluster to start had timed out in every group by
@@ -73,11 +74,12 @@ def restart_election_timer_while_alone(syncobj: Any, now: float) -> None:
     36-0-28 splits in the benchmarks; a node that owns every shard fires them all alone).
     Restarting the timer while alone makes the sliced timeouts
     (:func:`durable.raft.config.election_window`) count from the first connection, so the
-    node ranked first in each group wins it. No effect on a failover: the survivors stay
-    connected to each other.
+    node ranked first in each group wins it. Only at start-up: a node that loses its
+    peers later (a partition, a failover with a link down) keeps pysyncobj's own rule.
     """
     if syncobj._SyncObj__connectedNodes or syncobj._isLeader():
-        return
+        return False
     deadline = syncobj._SyncObj__raftElectionDeadline
     if deadline < now + syncobj._SyncObj__conf.raftMinTimeout:
         syncobj._SyncObj__raftElectionDeadline = now + syncobj._SyncObj__generateRaftTimeout()
+    return True
