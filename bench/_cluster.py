@@ -22,9 +22,11 @@ from bench._common import REPO, connect
 from durable.testing.nodes import WorkerPool
 
 NODES = ("f1", "f2", "f3")
-RAFT_BASE_PORT = 7100
+#: Several people may bench on one machine at once: each can move the ports
+#: (``BENCH_RAFT_PORT``, ``BENCH_METRICS_PORT``) into a range of their own.
+RAFT_BASE_PORT = int(os.environ.get("BENCH_RAFT_PORT", "7100"))
 #: Node i serves Prometheus /metrics on this port + i (loopback).
-METRICS_BASE_PORT = 9710
+METRICS_BASE_PORT = int(os.environ.get("BENCH_METRICS_PORT", "9710"))
 #: Only ever a benchmark's throwaway cluster on loopback.
 RAFT_PASSWORD = "bench-failover-password"
 

@@ -10,14 +10,14 @@ Each measure is a function; the modes are (a) ``ttl10``: leases only, ``LEASE_TT
 with the reason when this checkout's worker cannot run Raft.
 
 ``failover``: three real ``run_timer_shards`` processes on database
-``durable_failover_bench`` (created and migrated if missing), ``--timers`` pending timers
-in the wheels' horizon (3 to 58 min out, never due during the run), a stream of
-``--rate`` no-op timers a second due from 5 s after the nodes are ready, and 200 workflow
-runs asleep (``tests.acceptance.workflows.sleep_then_record``) whose wake-ups are due
-0.3-1.0 s after the kill. 3 s into the stream the node holding the most shards is
-SIGKILLed (three nodes share the shards fairly, so it holds 21 or 22). Figures: from the
-kill to the last overdue timer of its shards fired (overdue: due before its shard's new
-owner fired anything there), to the last of its runs resumed (recorded its wake-up), the
+``durable_failover_bench`` (``BENCH_FAILOVER_DB``; created and migrated if missing),
+``--timers`` pending timers in the wheels' horizon (3 to 58 min out, never due during the
+run), a stream of ``--rate`` no-op timers a second due from 5 s after the nodes are ready,
+and 200 workflow runs asleep (``tests.acceptance.workflows.sleep_then_record``) whose
+wake-ups are due 0.3-1.0 s after the kill. 3 s into the stream the node holding the most
+shards is SIGKILLed (three nodes share the shards fairly, so it holds 21 or 22). Figures:
+from the kill to the last overdue timer of its shards fired (overdue: due before its shard's
+new owner fired anything there), to the last of its runs resumed (recorded its wake-up), the
 worst lateness, and lost/doubled/early counts. A timer's fire time is the ``fired_at`` its
 batch stamps; a run's is the wall clock its atomic step records.
 
@@ -47,7 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._cluster import LagWatch, Mode, cluster, cpu_percent, rss_mb, wait_spread
 from bench._common import REPO, Lateness, connect, setup_django, wait_until, wall_ms
 
-URL = "postgres://durable:durable@127.0.0.1:5432/durable_failover_bench"
+#: ``BENCH_FAILOVER_DB`` names another database (one per person benching at once).
+URL = "postgres://durable:durable@127.0.0.1:5432/" + os.environ.get(
+    "BENCH_FAILOVER_DB", "durable_failover_bench"
+)
 MODES = {
     "ttl10": Mode("ttl10", "(a) leases only, LEASE_TTL_S 10 s", 10.0, None),
     # A TTL of 2 s needs the batch budget and the rescan below it (check durable.E005).

@@ -5,7 +5,9 @@ groups, 3 processes on loopback, password set): 64 auto-ticking threads, each in
 ``select`` loop, cost 18-29 % of a core per idle process; one thread calling every group's
 ``doTick(0)`` in turn costs 15-19 % at a 50 ms tick (docs: worker reference). So this node
 runs one sidecar thread, beside the worker's loop and never in it, that ticks its groups
-and drains their replication queues; the groups share nothing else.
+and drains their replication queues. The groups share one poller
+(:mod:`durable.raft.polling`): the sidecar sleeps in one ``poll`` over all their sockets
+between turns and reads each message as it arrives; they share nothing else.
 
 pysyncobj is imported here and only here (and in :mod:`durable.raft.transport`), when a
 :class:`GroupSet` is built: with Raft off, nothing of it is loaded.
@@ -24,15 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
+from durable.raft.polling import restart_election_timer_while_alone
 from durable.raft.standby import StandbyWheel
-from durable.raft.state import BadBatch, ShardState
+from durable.raft.state import MAX_COMMAND_ENTRIES, BadBatch, Handed, ShardState, shape
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.raft")
-
-MAX_COMMAND_ENTRIES = 1_000
-"""Largest number of timer entries in one Raft command (a rebuild of a million timers
-is replicated as many commands, so no one message blocks the group's heartbeats)."""
 
 DRAIN_PER_TICK = 2_000
 """Most timer entries the sidecar appends per tick (40,000/s at the default 50 ms tick),
@@ -90,10 +89,11 @@ class Group:
     shard: int
     syncobj: Any
     consumer: Any
-    outbox: queue.SimpleQueue[dict[str, Any]] = field(default_factory=queue.SimpleQueue)
+    outbox: queue.SimpleQueue[dict[str, Any] | Handed] = field(default_factory=queue.SimpleQueue)
     leader: str | None = None  # base address of the last known leader
     leader_seen: float = 0.0  # monotonic time a leader was last known
     changes: int = 0
+    met_peers: bool = False  # connected to a peer at least once since start
 
 
 class GroupSet:
@@ -129,7 +129,10 @@ class GroupSet:
             syncobj_module.getEncryptor = functools.lru_cache(maxsize=4)(
                 syncobj_module.getEncryptor
             )
+        from durable.raft.polling import groups_share, shared_poller
+
         consumer_class = _consumer_class()
+        self.poller = shared_poller()
         c = self.config
         for shard in self.shards:
             check_bindable(c.group_address(c.bind, shard), shard)
@@ -159,13 +162,14 @@ class GroupSet:
             )
             consumer = consumer_class(shard, self.now_ms)
             try:
-                syncobj = SyncObj(
-                    c.group_address(c.self_addr, shard),
-                    [c.group_address(p, shard) for p in c.peers],
-                    conf,
-                    consumers=[consumer],
-                    transportClass=transport_class(c.bind_host, shard),
-                )
+                with groups_share(self.poller):  # one poll(2) for every group: see _run
+                    syncobj = SyncObj(
+                        c.group_address(c.self_addr, shard),
+                        [c.group_address(p, shard) for p in c.peers],
+                        conf,
+                        consumers=[consumer],
+                        transportClass=transport_class(c.bind_host, shard),
+                    )
             except SyncObjException as exc:
                 self.stop()
                 address = c.group_address(c.bind, shard)
@@ -205,18 +209,28 @@ class GroupSet:
     # -- the sidecar ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        # Between turns the sidecar sleeps in the shared poller (GIL released), reading
+        # each message as it arrives; a turn (every group's timers: elections, heartbeats,
+        # commits; the outboxes) runs once per tick. Before, it slept blind and polled
+        # the 64 groups' sockets one by one each turn.
         tick = self.config.tick_s
+        next_turn = time.monotonic()
         while not self.stop_event.is_set():
-            started = time.monotonic()
             try:
-                self._turn(started)
+                now = time.monotonic()
+                if now >= next_turn:
+                    self._turn(now)
+                    next_turn = max(next_turn + tick, now)
+                self.poller.poll(max(0.0, next_turn - time.monotonic()))
             except Exception as exc:  # the sidecar must outlive any one bad turn
                 event(log, logging.ERROR, "raft.sidecar_error", error=repr(exc))
-            self.stop_event.wait(max(0.0, tick - (time.monotonic() - started)))
+                self.stop_event.wait(tick)
 
     def _turn(self, now: float) -> None:
         budget = [DRAIN_PER_TICK]
         for group in self.groups.values():
+            if not group.met_peers:  # start-up only: see the function
+                group.met_peers = not restart_election_timer_while_alone(group.syncobj, now)
             group.syncobj.doTick(0.0)
             self._drain(group, budget)
             self._observe(group, now)
@@ -232,9 +246,13 @@ class GroupSet:
                 batch = group.outbox.get_nowait()
             except queue.Empty:
                 return
-            if group.syncobj._isLeader():  # a node that lost leadership drops its news
-                group.consumer.apply(batch)
-                budget[0] -= 1 + len(batch["add"]) + len(batch["remove"])
+            if not group.syncobj._isLeader():  # a node that lost leadership drops its news
+                continue
+            term = int(group.syncobj.raftCurrentTerm)
+            batches = shape(batch, term) if isinstance(batch, Handed) else [batch]
+            for one in batches:
+                group.consumer.apply(one)
+                budget[0] -= 1 + len(one["add"]) + len(one["remove"])
 
     def _observe(self, group: Group, now: float) -> None:
         node = group.syncobj._getLeader()
@@ -326,7 +344,8 @@ class GroupSet:
         return time.monotonic() - group.leader_seen < self.config.election_max_s
 
     def replicate(self, shard: int, batch: dict[str, Any]) -> None:
-        """Queue ``batch`` for the sidecar to append (never blocks; big ones are split)."""
+        """Queue ``batch`` for the sidecar to append (never blocks; big ones are split;
+        :data:`durable.raft.state.MAX_COMMAND_ENTRIES`)."""
         group = self.groups.get(shard)
         if group is None:
             return
@@ -338,6 +357,13 @@ class GroupSet:
             chunk = {**batch, "add": added[i : i + MAX_COMMAND_ENTRIES]}
             chunk["remove"] = removed[i : i + MAX_COMMAND_ENTRIES]
             group.outbox.put(chunk)
+
+    def hand_over(self, shard: int, handed: Handed) -> None:
+        """Queue a turn's journal as it is (the fire path's whole part of replication: no
+        copy, no conversion); the sidecar shapes it (:func:`durable.raft.state.shape`)."""
+        group = self.groups.get(shard)
+        if group is not None:
+            group.outbox.put(handed)
 
     def standby_due(self, shard: int) -> list[tuple[int, int]]:
         """Shard ``shard``'s standby timers due now (for a warm takeover)."""

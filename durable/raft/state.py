@@ -15,6 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_COMMAND_ENTRIES = 1_000
+"""Largest number of timer entries in one Raft command (a rebuild of a million timers
+is replicated as many commands, so no one message blocks the group's heartbeats)."""
+
 
 class BadBatch(ValueError):
     """A batch that does not have the shape :func:`make_batch` gives; nothing applied."""
@@ -40,6 +44,19 @@ def make_batch(
         "remove": [int(i) for i in removed],
         "at_ms": int(at_ms),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """One turn's wheel changes of a shard, handed by the worker to the sidecar as they
+    are: ``journal`` maps an id to its fire time (entered the horizon) or None (left it).
+    The worker gives up the dict; only the sidecar reads it after."""
+
+    owner: str
+    token: int
+    cursor_ms: int
+    journal: dict[int, int | None]
+    at_ms: int
 
 
 def _check(batch: Any) -> None:
@@ -107,3 +124,22 @@ class ShardState:
         self.batches += 1
         self.last_at_ms = batch["at_ms"]
         return Applied(added, removed, owner_changed)
+
+
+def shape(handed: Handed, term: int) -> list[dict[str, Any]]:
+    """A handed journal as batches of at most :data:`MAX_COMMAND_ENTRIES` entries (the
+    sidecar calls this, so the conversion never runs on the worker's fire path)."""
+    added = [(i, t) for i, t in handed.journal.items() if t is not None]
+    removed = [i for i, t in handed.journal.items() if t is None]
+    return [
+        make_batch(
+            owner=handed.owner,
+            token=handed.token,
+            term=term,
+            cursor_ms=handed.cursor_ms,
+            added=added[i : i + MAX_COMMAND_ENTRIES],
+            removed=removed[i : i + MAX_COMMAND_ENTRIES],
+            at_ms=handed.at_ms,
+        )
+        for i in range(0, max(len(added), len(removed), 1), MAX_COMMAND_ENTRIES)
+    ]

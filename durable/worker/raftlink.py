@@ -47,33 +47,26 @@ def build(
 
 
 def flush(raft: GroupSet, node: str, runners: Mapping[int, ShardRunner], now_ms: int) -> int:
-    """Replicate what each led shard's wheel gained and lost this turn; return entries."""
-    from durable.raft.state import make_batch
+    """Hand each led shard's journal of this turn to the sidecar; return entries handed.
+
+    On the fire path, after the turn's commits: a dict swapped per shard and put on a
+    queue, nothing converted or serialized here (the sidecar does it, off this thread).
+    """
+    from durable.raft.state import Handed
 
     sent = 0
     for shard, runner in runners.items():
-        added, removed = runner.take_journal()
-        state = raft.state_of(shard)
+        journal = runner.take_journal(now_ms)
         # The cursor alone moves every turn: replicated every CURSOR_EVERY_MS at most per
         # shard, or an idle cluster would send 64 commands per turn. (A new owner reads
         # the cursor from the lease row; the replicated one is for status and standby.)
+        state = raft.state_of(shard)
         moved = runner.cursor_ms - state.cursor_ms >= CURSOR_EVERY_MS
         moved = moved or runner.token != state.token
-        if not (added or removed or moved) or not raft.is_leader(shard):
+        if not (journal or moved) or not raft.is_leader(shard):
             continue
-        raft.replicate(
-            shard,
-            make_batch(
-                owner=node,
-                token=runner.token,
-                term=raft.term(shard),
-                cursor_ms=runner.cursor_ms,
-                added=added,
-                removed=removed,
-                at_ms=now_ms,
-            ),
-        )
-        sent += len(added) + len(removed)
+        raft.hand_over(shard, Handed(node, runner.token, runner.cursor_ms, journal, now_ms))
+        sent += len(journal)
     return sent
 
 

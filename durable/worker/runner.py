@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Iterable
 
 from durable.conf import DurableSettings
@@ -23,6 +24,18 @@ from durable.worker.leasing import Acquired
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
+
+REPLICATE_AHEAD_MS = 60_000
+"""Raft on: a timer is replicated when it comes within this of its fire time, not when it
+enters the wheel (the wheel holds ~70 min). The standby exists for the takeover's first
+second (its overdue timers fire before the rows are read); a minute covers that many
+times over, and keeps the replicated state (and so pysyncobj's full-state transfer to a
+follower that fell behind) to a minute of timers instead of the whole horizon: a
+million timers in the horizon broke that transfer."""
+
+LATER_SHIFT = 13
+"""Timers further out wait in slots of 2**13 ms (8.2 s) of fire time, as two compact
+arrays (16 bytes a timer), until the slot comes within :data:`REPLICATE_AHEAD_MS`."""
 
 
 class ShardRunner:
@@ -41,6 +54,10 @@ class ShardRunner:
         # Raft on: what entered (id -> fire_at) and left (id -> None) the wheel since the
         # last replicated batch; the last change of an id wins. None: Raft off.
         self.journal: dict[int, int | None] | None = None
+        # Raft on: timers not yet within REPLICATE_AHEAD_MS, by slot (fire_at >> LATER_SHIFT);
+        # slots before later_from are journalled directly.
+        self.later: dict[int, tuple[array[int], array[int]]] = {}
+        self.later_from = 0
         self.rebuild_pending = False  # warm takeover: standby timers first, rows next
 
     def __repr__(self) -> str:
@@ -54,8 +71,26 @@ class ShardRunner:
             return False  # the loader will read it when its bucket enters the horizon
         self.wheel.insert(timer_id, fire_at_ms)
         if self.journal is not None:
-            self.journal[timer_id] = fire_at_ms
+            self._note(timer_id, fire_at_ms)
         return True
+
+    def start_journal(self, now_ms: int) -> None:
+        """Raft on: from now, note what enters and leaves the wheel for replication."""
+        self.journal = {}
+        self.later = {}
+        self.later_from = ((now_ms + REPLICATE_AHEAD_MS) >> LATER_SHIFT) + 1
+
+    def _note(self, timer_id: int, fire_at_ms: int) -> None:
+        slot = fire_at_ms >> LATER_SHIFT
+        if slot < self.later_from:
+            assert self.journal is not None
+            self.journal[timer_id] = fire_at_ms
+            return
+        pair = self.later.get(slot)
+        if pair is None:
+            pair = self.later[slot] = (array("q"), array("q"))
+        pair[0].append(timer_id)
+        pair[1].append(fire_at_ms)
 
     def add_many(self, rows: Iterable[tuple[int, int]]) -> int:
         """Add ``(id, fire_at_ms)`` rows; return how many were new.
@@ -70,10 +105,14 @@ class ShardRunner:
         added = 0
         journal = self.journal
         if journal is not None:  # Raft on: the same loop, also noting what it adds
+            direct = self.later_from << LATER_SHIFT  # fire_at below: replicated now
             for timer_id, fire_at in rows:
                 if fire_at < limit and timer_id not in wheel:
                     insert(timer_id, fire_at)
-                    journal[timer_id] = fire_at
+                    if fire_at < direct:
+                        journal[timer_id] = fire_at
+                    else:
+                        self._note(timer_id, fire_at)
                     added += 1
             return added
         for timer_id, fire_at in rows:
@@ -126,11 +165,27 @@ class ShardRunner:
             self.journal.update(dict.fromkeys(due))
         return due
 
-    def take_journal(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """What changed since the last call, as ``(added, removed)``; empties the journal."""
-        journal, self.journal = self.journal or {}, {}
-        added = [(i, t) for i, t in journal.items() if t is not None]
-        return added, [i for i, t in journal.items() if t is None]
+    def take_journal(self, now_ms: int) -> dict[int, int | None]:
+        """What changed since the last call (id -> fire time entered, None left), with the
+        timers that came within :data:`REPLICATE_AHEAD_MS` meanwhile; the dict is the
+        caller's now (handed to the Raft sidecar as it is)."""
+        journal = self.journal if self.journal is not None else {}
+        upto = (now_ms + REPLICATE_AHEAD_MS) >> LATER_SHIFT
+        if upto >= self.later_from:
+            slots = range(self.later_from, upto + 1)
+            if len(slots) > len(self.later):  # a long gap (a clock jump): walk what there is
+                slots = sorted(s for s in self.later if s <= upto)  # type: ignore[assignment]
+            wheel = self.wheel
+            for slot in slots:
+                pair = self.later.pop(slot, None)
+                if pair is not None:
+                    for timer_id, fire_at in zip(*pair, strict=True):
+                        # Fired, cancelled or moved meanwhile: no longer in the wheel.
+                        if timer_id in wheel and timer_id not in journal:
+                            journal[timer_id] = fire_at
+            self.later_from = upto + 1
+        self.journal = {}
+        return journal
 
     def next_wakeup_ms(self) -> int | None:
         """When the wheel next has work (a fire or a cascade), or None when empty."""
@@ -177,7 +232,7 @@ def load_acquired(
     runner = ShardRunner(shard=got.shard, token=got.token, db=db, conf=conf, now_ms=now_ms)
     runner.cursor_ms = got.cursor_ms
     if raft:
-        runner.journal = {}
+        runner.start_journal(now_ms)
     rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
     if got.standby:
         for timer_id, due_by in got.standby:

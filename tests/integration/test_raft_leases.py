@@ -89,6 +89,11 @@ class StandIn:
     def replicate(self, shard, batch):
         self.sent.append((shard, batch))
 
+    def hand_over(self, shard, handed):
+        from durable.raft.state import shape
+
+        self.sent.extend((shard, batch) for batch in shape(handed, self.term(shard)))
+
     def status(self):
         return {
             s: {

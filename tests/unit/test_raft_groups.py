@@ -138,3 +138,24 @@ def test_a_port_in_use_is_named():
             GroupSet(config, range(SHARDS), now_ms).start()
     finally:
         blocker.close()
+
+
+def test_the_first_node_started_does_not_win_every_group():
+    # Started alone, it waits past every election timeout; when the others come up, the
+    # election timers count from the first connection and the node ranked first in each
+    # group wins it (before: the first node stood at once in every group and won all).
+    addrs = addresses()
+    raw = {"SELF": addrs[0], "PEERS": addrs[1:], "PASSWORD": "pw"}
+    configs = [parse(raw, SHARDS, self_override=a) for a in addrs]
+    sets = [GroupSet(c, range(SHARDS), now_ms) for c in configs if c is not None]
+    try:
+        sets[0].start()
+        time.sleep(1.5)  # past the longest election timeout (1.2 s)
+        for g in sets[1:]:
+            g.start()
+        wait(lambda: all(g.leader_of(s) for g in sets for s in range(SHARDS)))
+        leaders = [sets[0].leader_of(s) for s in range(SHARDS)]
+        assert leaders.count(addrs[0]) < SHARDS, leaders
+    finally:
+        for g in sets:
+            g.stop()
