@@ -50,12 +50,15 @@ SEED ?= $(shell date -u +%Y%m%d)
 WORKERS ?= 3
 # fail: lateness past the documented bounds fails the run; report: printed only.
 LATENESS ?= fail
+# RAFT=1: the workers run Raft behind the run's proxy, with partitions and link delays.
+RAFT ?=
 CHAOS_DATABASE_URL ?= $(patsubst %/,%,$(dir $(DURABLE_TEST_DATABASE_URL)))/durable_chaos
 CHAOS_ARGS ?=
 
 chaos: venv
 	$(BIN)/python -m chaos --minutes $(MINUTES) --seed $(SEED) --workers $(WORKERS) \
-		--lateness $(LATENESS) --database-url "$(CHAOS_DATABASE_URL)" $(CHAOS_ARGS)
+		--lateness $(LATENESS) --database-url "$(CHAOS_DATABASE_URL)" $(if $(RAFT),--raft) \
+		$(CHAOS_ARGS)
 
 # The installed package works: the wheel, a fresh virtualenv without the dev extras, a new
 # startproject outside the checkout (scripts/wheel_smoke.sh says what it checks).

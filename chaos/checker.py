@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.lateness import Bounds, explain
+from chaos.lateness import Bounds, explain, retry_due
 
 __all__ = ["INVARIANTS", "Bounds", "History", "Verdict", "check"]
 
@@ -55,6 +55,13 @@ class History:
     """WorkflowRun rows: id, name, state, result."""
     schedules: list[dict[str, Any]] = field(default_factory=list)
     """CronSchedule rows: name, next_ms, skipped_count."""
+    holds: list[dict[str, Any]] = field(default_factory=list)
+    """Holds of a worker's loop by an atomic handler that ran to its timeout, read from
+    the worker logs (:func:`chaos.lateness.holds_from_logs`): ``poison_hang`` faults with
+    their ``timer_id``. A hanging poison with none is estimated from its row instead."""
+    retries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Timer id → ``(failed, retry due)`` of its failed attempts, from the worker logs
+    (:func:`chaos.lateness.retries_from_logs`): a retry's lateness counts from its due."""
     end_ms: int = 0
     """When the drain ended: nothing due before it may still be pending."""
     bounds: Bounds = field(default_factory=Bounds)
@@ -345,8 +352,12 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
     """Each fire's lateness against the bound of the worst fault that could explain it."""
     bounds = history.bounds
     faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
+    faults += history.holds
+    logged = {hold["timer_id"] for hold in history.holds}
     for op in idx.by_kind["poison"]:
         timer = idx.timer_by_id.get(op.get("timer_id"))
+        if timer and timer["id"] in logged:
+            continue  # its holds are known exactly
         if timer and op["poison"] == "hang" and op["handler"] == "atomic_poison":
             # It holds its worker's loop for the timeout, on each attempt, ending at its
             # last update (the dead letter).
@@ -361,7 +372,12 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
         fires = idx.fires(op["op"])
         if op["status"] == "committed" and fires and op.get("fail_times", 0) == 0:
             move = idx.moves.get(op["op"])
-            samples.append((op["op"], move["due_ms"] if move else op["due_ms"], min(fires)[0]))
+            due = move["due_ms"] if move else op["due_ms"]
+            fired = min(fires)[0]
+            failed = [
+                r for t in idx.timers.get(op["op"], []) for r in history.retries.get(t["id"], [])
+            ]
+            samples.append((op["op"], retry_due(due, fired, failed), fired))
     for key, fired, due in history.ledger:
         if due is not None and not key.startswith("t"):
             samples.append((key, due, fired))

@@ -5,8 +5,30 @@ Pure, like :mod:`chaos.checker`, which uses it.
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+#: A worker's log line for an attempt that ran to its timeout (durable.worker.outcomes).
+TIMED_OUT = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ timer\.error timer=(\d+) "
+    r"target=(\S+) attempt=(\d+) error=HandlerTimeout: .*? timeout of ([\d.]+) s"
+)
+
+
+#: A worker's log line for an attempt that failed (any error): the timer is retried later.
+FAILED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ timer\.error timer=(\d+) "
+    r"\S+ attempt=(\d+) "
+)
+#: durable's default retry policy (BACKOFF_BASE_S): the chaos handlers that can fail on a
+#: fault use it, or a faster one (the flaky handler's), so this is the longest wait.
+BACKOFF_BASE_MS = 1000
+
+#: A hold begins a little before its handler's timeout starts (the batch's earlier work).
+HOLD_SLACK_MS = 500
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +62,11 @@ class Bounds:
             return int(2 * self.rescan_s * 1000 + 1000)
         if kind in ("lock", "pg_restart"):  # whatever it blocked, then a reconnect and rescan
             return int(span + 5000 + 2 * self.rescan_s * 1000)
+        if kind in ("partition", "delay"):
+            # Raft links cut or slowed (chaos.raft): a leader the others no longer hear is
+            # replaced by a new one, which takes its shards at once; at worst a group with
+            # no quorum falls back to the lease rules, whose bound is a kill's.
+            return int(span + ttl + 2000)
         if kind == "poison_hang":  # it held its worker's loop from start to end
             return int(span + 2000)
         return self.healthy_ms
@@ -76,3 +103,67 @@ def explain(
                 allowed = max(allowed, start + bounds.after(fault))
                 grew = True
     return allowed, cover
+
+
+def holds_from_logs(lines: Iterable[str], worker: str, atomic: set[str]) -> list[dict[str, Any]]:
+    """Each time an atomic handler (a target in ``atomic``) ran to its timeout, from a
+    worker's log: a ``poison_hang`` fault from the timeout's start to the attempt's
+    ``timer.error`` line (logged once its batch committed), with the timer's id.
+
+    An atomic handler runs on the worker's loop, so while it hangs the worker serves none
+    of its shards. Read from the log, each attempt's hold is where it was; the estimate
+    :func:`chaos.checker.check` falls back on (attempts x timeout before the dead letter)
+    misses the holds of other poisons between a timer's attempts, which then break a
+    chain of holds in two (seed 20261202: four holds of three poisons in a row held one
+    worker for 25 s). Log times are this machine's local time, like the run's clock.
+    """
+    holds = []
+    for line in lines:
+        match = TIMED_OUT.match(line)
+        if not match or match[4] not in atomic:
+            continue
+        stamp, millis, timer_id, _target, attempt, timeout_s = match.groups()
+        end = _log_ms(stamp, millis)
+        start = end - int(float(timeout_s) * 1000) - HOLD_SLACK_MS
+        holds.append(
+            {
+                "kind": "poison_hang",
+                "start_ms": start,
+                "end_ms": end,
+                "target": f"{worker} timer {timer_id} attempt {attempt}",
+                "timer_id": int(timer_id),
+            }
+        )
+    return holds
+
+
+def _log_ms(stamp: str, millis: str) -> int:
+    """Epoch ms of a log line's time (this machine's local time, like the run's clock)."""
+    return int(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) * 1000) + int(millis)
+
+
+def retries_from_logs(lines: Iterable[str]) -> dict[int, list[tuple[int, int]]]:
+    """Timer id → ``(failed, retry due)`` of each failed attempt in a worker's log: when
+    its ``timer.error`` line was logged (once the failure committed) and that plus the
+    longest backoff durable's default policy waits before the retry.
+
+    A fault can fail an attempt (a handler whose own session is terminated, a batch
+    rolled back under it); the timer is then retried after its backoff, by design, and
+    the recovery bounds count from that retry, not from the first due time.
+    """
+    retries: dict[int, list[tuple[int, int]]] = {}
+    for line in lines:
+        match = FAILED.match(line)
+        if match:
+            stamp, millis, timer_id, attempt = match.groups()
+            failed = _log_ms(stamp, millis)
+            due = failed + BACKOFF_BASE_MS * 2 ** (int(attempt) - 1)
+            retries.setdefault(int(timer_id), []).append((failed, due))
+    return retries
+
+
+def retry_due(due: int, fired: int, retries: list[tuple[int, int]]) -> int:
+    """When a fire at ``fired`` was due: after the last attempt that failed before it,
+    its retry (no later than the fire itself); with none, ``due``."""
+    before = [(failed, again) for failed, again in retries if failed < fired]
+    return max(due, min(max(before)[1], fired)) if before else due

@@ -10,7 +10,10 @@ Kinds (:data:`KINDS`):
 - ``lock``: a transaction holds ``FOR UPDATE`` locks on some shards' lease rows and their
   pending timers for 1-5 s (a slow database);
 - ``pg_restart``: restart the PostgreSQL server, only when the run owns a throwaway
-  cluster (``--pg-restart``): the shared server is never restarted.
+  cluster (``--pg-restart``): the shared server is never restarted;
+- ``partition`` and ``delay``, only with Raft on (``--raft``, :mod:`chaos.raft`): cut a
+  worker's Raft links for 1-10 s (it keeps its database sessions), or delay every byte
+  they carry by 50-500 ms for 2-10 s, through the run's proxy.
 
 Now and then two or three kinds strike together. The nemesis never kills or stops the
 last worker that is up (a restarted one counts only once it has booted): the run
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 KINDS = ("kill", "stop", "terminate", "listen", "lock")
+RAFT_KINDS = ("partition", "delay")
 WORKER_APP_PREFIX = "durable-worker-"
 
 
@@ -53,6 +57,7 @@ class Nemesis:
         kinds: tuple[str, ...] = KINDS,
         mean_interval_s: float = 5.0,
         restart_db: Callable[[float], None] | None = None,
+        raft: Any = None,
     ) -> None:
         self.pool = pool
         self.names = names
@@ -60,6 +65,9 @@ class Nemesis:
         self.dsn = dsn
         self.log = log
         self.kinds = kinds + (("pg_restart",) if restart_db else ())
+        self.kinds += RAFT_KINDS if raft is not None else ()
+        self.raft = raft  # chaos.raft.RaftSetup: its proxy carries every Raft link
+        self.raft_faults: set[tuple[str, str]] = set()  # (kind, node) cut or delayed now
         self.mean = mean_interval_s
         self.restart_db = restart_db
         self.impaired: set[str] = set()  # killed or stopped, not yet healed
@@ -107,7 +115,7 @@ class Nemesis:
         """Start ``name`` again; it counts as impaired until it has booted."""
         self.log_offset[name] = self.pool.workers[name].log_path.stat().st_size
         self.booted.discard(name)
-        self.pool.start(name)
+        self.pool.restart(name)  # with its options (a Raft node's addresses)
         self.impaired.discard(name)
         self.record(kind="restart", start_ms=wall_ms(), target=name)
 
@@ -225,6 +233,38 @@ class Nemesis:
         pause_s = self.rng.uniform(0.5, 3)
         self.restart_db(pause_s)
         self.record(kind="pg_restart", start_ms=start, end_ms=wall_ms(), down_s=pause_s)
+
+    def do_partition(self) -> None:
+        self._raft_fault("partition")
+
+    def do_delay(self) -> None:
+        self._raft_fault("delay")
+
+    def _raft_fault(self, kind: str) -> None:
+        from chaos.raft import fault_window
+
+        free = [n for n in self.names if (kind, n) not in self.raft_faults]
+        if not free:
+            return  # each node has one of this kind already (a heal would end both)
+        name = self.rng.choice(free)
+        self.raft_faults.add((kind, name))
+        lasts_s, delay_s = fault_window(self.rng, kind)
+        proxy = self.raft.proxy
+        start = wall_ms()
+        if kind == "partition":
+            proxy.cut(name)
+        else:
+            proxy.delay(name, delay_s)
+
+        def heal() -> None:
+            if kind == "partition":
+                proxy.restore(name)
+            else:
+                proxy.delay(name, 0)
+            self.raft_faults.discard((kind, name))
+            self.record(kind=kind, start_ms=start, end_ms=wall_ms(), target=name, delay_s=delay_s)
+
+        self.later(lasts_s, heal)
 
     def watch_crashes(self) -> None:
         """A worker that died on its own (poison ``os._exit``) is logged and restarted."""

@@ -76,6 +76,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run on a throwaway cluster (initdb, root) and add PostgreSQL restarts",
     )
     parser.add_argument(
+        "--raft",
+        action="store_true",
+        help="the workers run Raft (DURABLE['RAFT']) behind the run's proxy; adds partitions "
+        "and link delays to the faults",
+    )
+    parser.add_argument(
         "--lateness",
         choices=["fail", "report"],
         default="fail",
@@ -149,19 +155,29 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
     from tests.acceptance.helpers import WorkerPool
 
     print(f"chaos: seed {args.seed}, {args.minutes} min, {args.workers} workers, out {out}")
+    names = [f"w{i + 1}" for i in range(args.workers)]
+    raft = None
+    if args.raft:
+        from chaos import raft as raft_setup
+        from durable.conf import get_settings
+
+        raft = raft_setup.start(names, get_settings().SHARDS)
     pool = WorkerPool(
         database_url=url,
         log_dir=out,
         defaults=True,
-        env={"DURABLE_IMPORTS": "testproject.demo.chaos", "DURABLE_LOG_LEVEL": "INFO"},
+        env={
+            "DURABLE_IMPORTS": "testproject.demo.chaos",
+            "DURABLE_LOG_LEVEL": "INFO",
+            **(raft.env() if raft else {}),
+        },
     )
-    names = [f"w{i + 1}" for i in range(args.workers)]
     faults_path = out / "faults.jsonl"
     history_path = out / "history.jsonl"
     t0_ms = wall_ms()
     try:
         for name in names:
-            pool.start(name)
+            pool.start(name, *(raft.args(name) if raft else []))
         wait_for_shards(pool, names)
         with faults_path.open("w") as faults_log:
             nemesis = Nemesis(
@@ -173,6 +189,7 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
                 kinds=args.faults,
                 mean_interval_s=args.fault_every_s,
                 restart_db=restart_db,
+                raft=raft,
             )
             load = start_load(args, history_path, out)
             while load.poll() is None:
@@ -190,6 +207,8 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
             )
     finally:
         pool.stop_all()
+        if raft is not None:
+            raft.close()
     return check_and_report(args, out, t0_ms, end_ms)
 
 
@@ -270,6 +289,36 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def loop_holds(out: Path) -> list[dict[str, Any]]:
+    """Every hold of a worker's loop by an atomic handler past its timeout, from the logs."""
+    import testproject.demo.chaos  # noqa: F401  (the workers' DURABLE_IMPORTS)
+    from chaos.lateness import holds_from_logs
+    from durable.conf import get_settings
+    from durable.discovery import discover
+    from durable.dispatch.registry import handlers
+
+    discover(get_settings())  # the handlers the workers found, to tell atomic ones
+    atomic = {name for name in handlers.names() if (spec := handlers.get(name)) and spec.atomic}
+    holds: list[dict[str, Any]] = []
+    for path in sorted(out.glob("worker-*.log")):
+        worker = path.stem.removeprefix("worker-")
+        with path.open(errors="replace") as lines:
+            holds += holds_from_logs(lines, worker, atomic)
+    return holds
+
+
+def retries(out: Path) -> dict[int, list[tuple[int, int]]]:
+    """Timer id → ``(failed, retry due)`` of each failed attempt, from the worker logs."""
+    from chaos.lateness import retries_from_logs
+
+    found: dict[int, list[tuple[int, int]]] = {}
+    for path in sorted(out.glob("worker-*.log")):
+        with path.open(errors="replace") as lines:
+            for timer_id, failures in retries_from_logs(lines).items():
+                found.setdefault(timer_id, []).extend(failures)
+    return found
+
+
 def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int) -> bool:
     from django.db import connection
 
@@ -297,6 +346,8 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
         ],
         runs=list(WorkflowRun.objects.values("id", "name", "state", "result")),
         schedules=list(CronSchedule.objects.values("name", "next_ms", "skipped_count")),
+        holds=loop_holds(out),
+        retries=retries(out),
         end_ms=end_ms,
         bounds=bounds,
     )
@@ -323,6 +374,7 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
     print(report.table(verdict))
     if any(verdict.violations.values()):
         replay = f"make chaos SEED={args.seed} MINUTES={args.minutes:g} WORKERS={args.workers}"
+        replay += " RAFT=1" if getattr(args, "raft", False) else ""
         print(
             report.failure_details(
                 verdict, seed=args.seed, faults=faults, t0_ms=t0_ms, replay=replay

@@ -13,6 +13,10 @@ from django.db.models import Q
 # The choices and the queryset live beside the models; importing them here keeps
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
+
+# In a module of its own (this one stays under the size limit); re-exported here.
+from durable.limits import ConcurrencyKey as ConcurrencyKey
+from durable.limits import concurrency_indexes, concurrency_key_field, queued_ms_field
 from durable.querysets import WorkflowRunQuerySet
 
 
@@ -67,12 +71,21 @@ class Timer(models.Model):
         null=True, blank=True, help_text="lease token of the owner that claimed it (state firing)"
     )
     last_error = models.CharField(max_length=500, blank=True, default="")
+    debounce_since_ms = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="debounced timer: when its burst's first call came (epoch ms); "
+        "max_wait counts from it",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     fired_at = models.DateTimeField(null=True, blank=True)
+    concurrency_key = concurrency_key_field()
+    queued_ms = queued_ms_field()
 
     class Meta:
         indexes = [
+            *concurrency_indexes(),  # a key's running timers, and its line
             models.Index(
                 fields=["parent"],
                 name="durable_timer_parent_idx",
@@ -322,6 +335,10 @@ class WorkflowStep(models.Model):
     on replay instead of running the call again. ``status`` is ``done``, ``failed`` (a
     step out of attempts), ``retrying`` (a failed attempt, retry due at ``wake_ms``) or
     ``waiting`` (a sleep, signal or child not finished; ``wake_ms`` is its deadline).
+    A ``step`` or ``atomic`` call also records when it began (``started_at``, kept
+    across retries) and how long its latest attempt ran (``duration_ms``); the record is
+    written when an attempt ends, so ``created_at`` is the end of the first attempt and
+    ``updated_at`` the end of the latest.
     """
 
     # No index of its own: the (run, seq) unique constraint serves every lookup by run,
@@ -337,6 +354,12 @@ class WorkflowStep(models.Model):
     error = models.CharField(max_length=500, blank=True, default="")
     attempts = models.PositiveIntegerField(default=0)
     wake_ms = models.BigIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(
+        null=True, blank=True, help_text="when a step began (its first attempt; steps only)"
+    )
+    duration_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="how long the step's latest attempt ran, ms"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -4,8 +4,12 @@
 registers ``Timer`` (:mod:`.timers`), ``CronSchedule`` (:mod:`.schedules`),
 ``WorkflowRun`` with its steps and signals (:mod:`.workflows`), and ``ShardLease``,
 ``WorkerNode`` and the overview page (:mod:`.cluster`). See ``docs/how-to/admin.md``.
+
+:class:`RunTimelineMixin` is for your own ``ModelAdmin``: the timelines of the workflow
+runs bound to a row, on that row's page (:mod:`.timelines`).
 """
 
 from durable.admin import cluster, schedules, timers, workflows
+from durable.admin.timelines import RunTimelineMixin
 
-__all__ = ["cluster", "schedules", "timers", "workflows"]
+__all__ = ["RunTimelineMixin", "cluster", "schedules", "timers", "workflows"]

@@ -105,7 +105,19 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
     }
     fieldsets = (
         (None, {"fields": ("id", "state", "kind", "target", "key", "shard", "bucket")}),
-        ("When", {"fields": ("fire_at_full", "created_at", "updated_at", "fired_at", "claim")}),
+        (
+            "When",
+            {
+                "fields": (
+                    "fire_at_full",
+                    "created_at",
+                    "updated_at",
+                    "fired_at",
+                    "claim",
+                    "debounced_since",
+                )
+            },
+        ),
         ("Payload", {"fields": ("args_json", "kwargs_json", "context_json", "result_json")}),
         (
             "Attempts",
@@ -176,6 +188,11 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
     @admin.display(description="claim expires")
     def claim(self, obj: Timer) -> str:
         return base.ms_display(obj.claim_expires_ms)
+
+    @admin.display(description="debounced since")
+    def debounced_since(self, obj: Timer) -> str:
+        # The first call of a debounced burst (max_wait counts from it); "-" otherwise.
+        return base.ms_display(obj.debounce_since_ms)
 
     @admin.display(description="backoff")
     def backoff(self, obj: Timer) -> str:

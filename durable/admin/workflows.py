@@ -23,7 +23,7 @@ from django.utils.http import urlencode
 from django.utils.module_loading import autodiscover_modules
 
 import durable
-from durable.admin import base
+from durable.admin import base, timelines
 from durable.admin.forms import SignalForm
 from durable.models import WorkflowRun, WorkflowSignal, WorkflowStep
 from durable.workflows import operations
@@ -133,6 +133,7 @@ class WorkflowRunAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, adm
         ("Progress", {"fields": ("wait", "replays", "retries", "created_at", "updated_at")}),
         ("Data", {"fields": ("args_json", "kwargs_json", "result_json", "error")}),
         ("History", {"fields": ("history", "finished_at")}),
+        ("Timeline", {"fields": ("timeline",), "classes": ("durable-runs",)}),
     )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
@@ -215,6 +216,10 @@ class WorkflowRunAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, adm
             children,
             reverse("admin:durable_timer_changelist") + "?" + urlencode({"q": f"wf:{obj.pk}:"}),
         )
+
+    @admin.display(description="timeline")
+    def timeline(self, obj: WorkflowRun) -> str:
+        return timelines.render([obj], with_heading=False)
 
     # -- actions ------------------------------------------------------------------------
 

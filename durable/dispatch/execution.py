@@ -25,6 +25,7 @@ from durable.dispatch.context import FireContext, firing
 from durable.dispatch.registry import HandlerSpec, check_stored_call
 from durable.exceptions import AttemptsExhausted
 from durable.models import Timer
+from durable.storage import concurrency
 from durable.storage import firing as store
 from durable.storage import timers as timer_store
 from durable.storage.notify import notify_timers
@@ -143,7 +144,22 @@ def _settle(
     value: Any,
     error: BaseException | None,
 ) -> str:
-    """Record the outcome of one attempt, inside the caller's fenced transaction."""
+    """Record the outcome of one attempt, inside the caller's fenced transaction; its end
+    frees a slot of the timer's concurrency key, if it has one (the next is made due)."""
+    outcome = _record(db, clock, shipment, timer, value, error)
+    if timer.concurrency_key is not None:
+        concurrency.release(db, [timer.pk], clock.now_ms(), _bucket_shift())
+    return outcome
+
+
+def _record(
+    db: str,
+    clock: Clock,
+    shipment: Shipment,
+    timer: Timer,
+    value: Any,
+    error: BaseException | None,
+) -> str:
     now_ms = clock.now_ms()
     if error is None:
         result = _json_value(value) if timer.on_complete else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from durable.core.backoff import Backoff
+from durable.dispatch.concurrency import ConcurrencyPolicy
 from durable.dispatch.giveup import final
 from durable.exceptions import GiveUp, HandlerAborted, UnknownHandler
 
@@ -42,6 +43,8 @@ class HandlerSpec:
     """Only these exceptions are retried; any other is final (empty: all are retried)."""
     give_up_on: tuple[type[Exception], ...] = ()
     """These exceptions are final (dead letter at once); see :mod:`durable.dispatch.giveup`."""
+    concurrency: ConcurrencyPolicy | None = None
+    """At most ``max_concurrency`` attempts per key at once; ``None``: no limit."""
 
     def failure(self, exc: BaseException) -> BaseException:
         """What an attempt that raised ``exc`` is recorded as: contained (a

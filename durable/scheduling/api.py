@@ -22,7 +22,9 @@ from durable.core.clock import current_clock
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.exceptions import TimerError, UnknownHandler
 from durable.models import Timer, TimerKind
+from durable.scheduling import debounce as debouncing
 from durable.scheduling import validation as v
+from durable.storage import debounce as debounce_store
 from durable.storage import parents
 from durable.storage import timers as store
 from durable.storage.bulk import paused_gc
@@ -49,6 +51,8 @@ def schedule(
     on_complete: Callable[..., Any] | str | None = None,
     context: Any = None,
     parent: Timer | int | None = None,
+    debounce: timedelta | None = None,
+    max_wait: timedelta | None = None,
 ) -> Timer:
     """Schedule a ``@durable.handler`` to run at ``at``, after ``delay``, or now.
 
@@ -57,6 +61,11 @@ def schedule(
     it targets another handler; a key holds while its row exists (pruned rows free it:
     ``RETENTION_DAYS``, ``FAILED_RETENTION_DAYS``). Under a cancelled ``parent`` the
     timer is created cancelled. Bad input raises before any write, naming the argument.
+
+    With ``debounce`` (and ``key``): due at now + ``debounce``; while that timer is
+    pending, each later call with the key moves it to its own now + ``debounce`` (never
+    earlier, never past the first call + ``max_wait``) and the last call's arguments
+    win. Returns the timer as it now stands: a moved timer has a new id.
     """
     options = {
         "args": args,
@@ -69,10 +78,15 @@ def schedule(
         "on_complete": on_complete,
         "context": context,
         "parent": parent,
+        "debounce": debounce,
+        "max_wait": max_wait,
     }
     conf = get_settings()
     now_ms = current_clock().now_ms()
     planner = _Planner(conf, now_ms)
+    policy = debouncing.check(options, now_ms)
+    if policy is not None:
+        return _schedule_debounced(planner, fn_or_dotted_name, options, policy)
     timer = planner.plan(fn_or_dotted_name, options, "")
     planner.check_parents()
     db = conf.DATABASE
@@ -83,6 +97,24 @@ def schedule(
             store.announce(db, [timer], now_ms)
             parents.follow_up_born_canceled(db, born, now_ms)
     return timer
+
+
+def _schedule_debounced(
+    planner: _Planner, target: Any, options: dict[str, Any], policy: debouncing.DebouncePolicy
+) -> Timer:
+    timer = planner.plan(target, {**options, "delay": policy.debounce}, "")
+    db = planner.conf.DATABASE
+    with transaction.atomic(using=db, savepoint=False):
+        done = debounce_store.debounce(
+            db,
+            timer,
+            debounce_ms=policy.debounce_ms,
+            max_wait_ms=policy.max_wait_ms,
+            now_ms=planner.now_ms,
+        )
+    # A refusal raises out here: inside a savepoint-less atomic block it would doom the
+    # caller's whole transaction (and the storage wrote nothing for it).
+    return debouncing.timer_or_raise(done, str(timer.key))
 
 
 def schedule_many(specs: Iterable[dict[str, Any]]) -> list[Timer]:
@@ -142,6 +174,8 @@ def _spec_target(spec: Any, where: str) -> Any:
     if not isinstance(spec, dict):
         raise TypeError(f"{where}: expected a dict of schedule() arguments, got {spec!r}")
     if not SPEC_KEYS.issuperset(spec):  # no set built per spec on the happy path
+        if "debounce" in spec or "max_wait" in spec:
+            raise TypeError(f"{where}: schedule_many() does not debounce; call schedule()")
         unknown = sorted(set(spec) - SPEC_KEYS, key=str)
         raise TypeError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
     if "fn" not in spec:
@@ -195,6 +229,7 @@ class _Planner:
             self.check_call(follow, [], FOLLOWUP_KWARGS, where, "on_complete")
             on_complete = follow.name
         parent = get("parent")
+        limit = spec.concurrency
         return store.new_pending(
             conf,
             fire_at_ms=fire_at_ms,
@@ -209,6 +244,7 @@ class _Planner:
             parent_id=None if parent is None else self.parent_id(parent, where),
             on_complete=on_complete or "",
             context=context,
+            concurrency_key=None if limit is None else limit.key_for(spec.name, args, kwargs),
         )
 
     def check_call(

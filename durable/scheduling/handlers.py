@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from durable.conf import get_settings
+from durable.dispatch import concurrency
 from durable.dispatch.giveup import check_exceptions
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
 from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
@@ -28,6 +29,9 @@ def handler(
     timeout: float | timedelta | None = None,
     retry_on: Any = None,
     give_up_on: Any = None,
+    concurrency_key: Any = None,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -41,6 +45,9 @@ def handler(
     timeout: float | timedelta | None = None,
     retry_on: Any = None,
     give_up_on: Any = None,
+    concurrency_key: Any = None,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Any:
     """Register a module-level function as a timer handler; return it unchanged.
 
@@ -64,6 +71,15 @@ def handler(
       ``give_up_on`` wins when both match. Raising :class:`durable.GiveUp` always does.
       Timeouts and ``BaseException`` subclasses are retried unless ``give_up_on`` names
       ``HandlerTimeout``/``HandlerAborted``.
+    - ``concurrency_key`` and ``max_concurrency`` (together): at most ``max_concurrency``
+      attempts of this handler run at once per key, across the cluster. The key is a
+      fixed ``str`` or a callable given the call's arguments that returns one
+      (evaluated by ``schedule()``). Timers over the limit wait, in the order they came
+      due, and the oldest is made due when a running one finishes (docs: how-to
+      "Limit concurrency and rate per key").
+    - ``rate_limit`` (with ``concurrency_key``): ``"N/s"``, ``"N/m"`` or ``"N/h"``, at
+      most N attempts start per key in any window of that length, across the cluster;
+      the others wait in the same line, the first due when the window has room.
 
     Bad options raise ``TypeError``/``ValueError`` naming the argument, at decoration time.
     """
@@ -73,6 +89,7 @@ def handler(
     timeout_s = check_timeout(timeout)
     retry = check_exceptions(retry_on, "retry_on")
     give_up = check_exceptions(give_up_on, "give_up_on")
+    limit = concurrency.policy(concurrency_key, max_concurrency, rate_limit)
     # Settings are read only for a timedelta: decorators run at import, and a handler
     # module should not need configured settings unless it asks for them.
     policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
@@ -88,6 +105,7 @@ def handler(
             timeout=timeout_s,
             retry_on=retry,
             give_up_on=give_up,
+            concurrency=limit,
         )
         handlers.register(spec)
         return func

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from durable.conf import get_settings
 from durable.exceptions import LeaseLost
 from durable.models import WorkflowState
 from durable.storage import statements
+from durable.storage.leases import ms_to_dt
 
 _ASYNC = "set_config('synchronous_commit', 'off', true)"
 
@@ -35,7 +37,10 @@ HISTORY_SQL = (
 )
 
 
-_ROW = "(%s::integer, %s, %s, %s, %s::jsonb, %s, %s::integer, %s::bigint)"
+_ROW = (
+    "(%s::integer, %s, %s, %s, %s::jsonb, %s, %s::integer, %s::bigint, %s::timestamptz, "
+    "%s::integer)"
+)
 
 
 def _insert_sql(run: str, source: str, count: int) -> str:
@@ -47,9 +52,9 @@ def _insert_sql(run: str, source: str, count: int) -> str:
     values = ", ".join([_ROW] * count)
     return (
         "INSERT INTO durable_workflowstep (run_id, seq, kind, name, status, result, error, "
-        "attempts, wake_ms, created_at, updated_at) "
+        "attempts, wake_ms, started_at, duration_ms, created_at, updated_at) "
         f"SELECT {run}, s.*, %s, %s FROM {source}(VALUES {values}) AS s(seq, kind, name, "
-        "status, result, error, attempts, wake_ms) RETURNING 1"
+        "status, result, error, attempts, wake_ms, started_at, duration_ms) RETURNING 1"
     )
 
 
@@ -65,9 +70,17 @@ def _row_params(inserts: Sequence[dict[str, Any]]) -> list[Any]:
         for step in inserts
         for value in (
             step["seq"], step["kind"], step["name"], step["status"], jsonb(step["result"]),
-            step["error"], step["attempts"], step["wake_ms"],
+            step["error"], step["attempts"], step["wake_ms"], started_at(step),
+            step.get("duration_ms"),
         )
     ]  # fmt: skip
+
+
+def started_at(step: dict[str, Any]) -> datetime | None:
+    """When a step record's attempt began, as the ``started_at`` column stores it (None
+    for records that are not a live step attempt)."""
+    started = step.get("started_ms")
+    return None if started is None else ms_to_dt(started)
 
 
 def added_cte(

@@ -32,7 +32,14 @@ from durable.models import WorkflowRun, WorkflowSignal, WorkflowState, WorkflowS
 from durable.storage import statements
 
 # The statements themselves; HISTORY_SQL, commit_mode and jsonb stay importable here.
-from durable.storage.checkpoint_sql import HISTORY_SQL, added_cte, commit_mode, jsonb, run_statement
+from durable.storage.checkpoint_sql import (
+    HISTORY_SQL,
+    added_cte,
+    commit_mode,
+    jsonb,
+    run_statement,
+    started_at,
+)
 from durable.storage.leases import ms_to_dt
 
 STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "wake_ms")
@@ -133,7 +140,10 @@ def commit_steps(
     """
     when = ms_to_dt(now_ms)
     for step in updates:
-        values = {k: v for k, v in step.items() if k != "seq"}
+        # A step's later attempt keeps the first attempt's start: the row's started_at
+        # is when the step began; its duration is the latest attempt's.
+        values = _columns(step)
+        values.pop("started_at", None)
         WorkflowStep.objects.using(db).filter(run_id=run_id, seq=step["seq"]).update(
             **values, updated_at=when
         )
@@ -141,10 +151,23 @@ def commit_steps(
         if not held and not hold(db, run_id, now_ms):
             return False
         WorkflowStep.objects.using(db).bulk_create(
-            [WorkflowStep(run_id=run_id, created_at=when, updated_at=when, **s) for s in inserts]
-        )
+            [
+                WorkflowStep(run_id=run_id, seq=s["seq"], created_at=when, updated_at=when,
+                             **_columns(s))
+                for s in inserts
+            ]
+        )  # fmt: skip
         return True
     return _insert(db, run_id, inserts, now_ms, held=held)
+
+
+def _columns(step: dict[str, Any]) -> dict[str, Any]:
+    """A step record's row (``Record.row()``) as the model's column values but ``seq``:
+    the attempt's ``started_ms`` becomes the ``started_at`` datetime."""
+    values = {k: v for k, v in step.items() if k not in ("seq", "started_ms")}
+    if "started_ms" in step:
+        values["started_at"] = started_at(step)
+    return values
 
 
 def _insert(

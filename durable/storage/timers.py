@@ -21,12 +21,13 @@ from django.db.models.constants import OnConflict
 from django.db.models.signals import post_init, pre_init
 
 from durable.conf import DurableSettings, get_settings
-from durable.core.sharding import bucket_of, shard_of_timer
+from durable.core.sharding import bucket_of, shard_for, shard_of_timer
 
 # The registry is plain data (no ORM, no Django); the follow-up takes its retry policy
 # from the on_complete handler's declaration, so storage reads it here.
 from durable.dispatch.registry import handlers
 from durable.models import Timer, TimerKind, TimerState
+from durable.storage import concurrency
 from durable.storage.bulk import bulk_insert
 from durable.storage.leases import ms_to_dt
 from durable.storage.notify import notify_shards, notify_timers
@@ -103,10 +104,15 @@ def new_pending(
     """An unsaved pending timer due at ``fire_at_ms``, routed by ``key``.
 
     Its shard comes from the key (a random one without a key) and its bucket from the
-    due time: the columns every scheduling path derives the same way.
+    due time: the columns every scheduling path derives the same way. A timer with a
+    ``concurrency_key`` is routed by that instead: its key's shard owner decides its
+    admission (:mod:`durable.storage.concurrency`).
     """
+    routing = fields.get("concurrency_key")
     return new_timer(
-        shard=shard_of_timer(key, conf.SHARDS),
+        shard=shard_of_timer(key, conf.SHARDS)
+        if routing is None
+        else shard_for(routing, conf.SHARDS),
         bucket=bucket_of(fire_at_ms, conf.BUCKET_SHIFT),
         fire_at_ms=fire_at_ms,
         state=TimerState.PENDING,
@@ -246,19 +252,28 @@ def missing_ids(db: str, ids: Iterable[int]) -> set[int]:
     return wanted
 
 
+#: A bulk write announces up to this many near-term timers one by one (one payload:
+#: each notice is about 28 bytes of the 7,900 a payload holds); beyond it, one "rescan
+#: shard" notice per shard. Notices by id go straight into the owner's wheel, a rescan
+#: costs the owner a query per shard: small batches (a web request scheduling a few
+#: timers, a producer committing every few milliseconds) are cheaper announced by id.
+PER_TIMER_NOTICES = 256
+
+
 def announce(db: str, timers: Iterable[Timer], now_ms: int, *, per_shard: bool = False) -> None:
     """NOTIFY the owning workers of the near-term ones among new ``timers``.
 
     Delivered when the current transaction commits, never if it rolls back. Far-future
     timers are not announced: workers load them by bucket when they come into range.
-    ``per_shard`` sends one "rescan shard" notice per shard instead of one per timer.
+    ``per_shard`` (bulk writes) sends one "rescan shard" notice per shard instead of one
+    per timer when more than :data:`PER_TIMER_NOTICES` timers are near.
     """
     conf = get_settings()
     if not conf.NOTIFY:
         return
     horizon = now_ms + (conf.HORIZON_BUCKETS << conf.BUCKET_SHIFT)
     near = [t for t in timers if t.fire_at_ms < horizon and t.state == _PENDING]
-    if per_shard:
+    if per_shard and len(near) > PER_TIMER_NOTICES:
         notify_shards(db, {t.shard for t in near})
     else:
         notify_timers(db, [(t.shard, t.pk, t.fire_at_ms) for t in near])
@@ -286,6 +301,8 @@ def cancel_cascade(db: str, timer_id: int, now_ms: int) -> bool:
             seen.update(level)  # parent links are acyclic by construction; be sure anyway
         for row in done:
             create_followup(row, {"status": "canceled"}, now_ms, using=db)
+        # One woken in its concurrency key's line held a slot: the next in line gets it.
+        concurrency.release(db, [row.id for row in done], now_ms, get_settings().BUCKET_SHIFT)
     return True
 
 

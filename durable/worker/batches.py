@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from durable.dispatch.context import FireContext
 from durable.dispatch.registry import HandlerSpec
 from durable.storage import firing as store
 from durable.worker.outcomes import Readd
@@ -67,3 +68,19 @@ def pack(work: Work, size: int) -> list[Work]:
     if current:
         batches.append(current)
     return batches
+
+
+def fire_context(
+    timer: store.DueTimer, now_ms: int, token: int, metrics: Any = None
+) -> FireContext:
+    """What ``durable.current_fire()`` tells an atomic handler the batch runs."""
+    return FireContext(
+        timer_id=timer.id,
+        key=timer.key,
+        attempt=timer.attempts,
+        scheduled_ms=timer.fire_at_ms,
+        fired_ms=now_ms,
+        shard=timer.shard,
+        token=token,
+        metrics=metrics,
+    )

@@ -19,9 +19,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from durable.conf import DurableSettings
-from durable.dispatch.context import FireContext, enter_fire, leave_fire
+from durable.dispatch.context import enter_fire, leave_fire
 from durable.dispatch.registry import HandlerSpec, check_stored_call
 from durable.storage import firing as store
+from durable.worker.batches import fire_context
 from durable.worker.deadline import Deadlines
 
 __all__ = ["BatchCalls", "Call"]
@@ -70,7 +71,7 @@ class BatchCalls:
     def call(self, timer: store.DueTimer, call: Call, now_ms: int, token: int) -> Any:
         """Run an atomic handler as ``timer``'s fire, under its deadline; its result."""
         spec, timeout, args, kwargs = call
-        entered = enter_fire(self.context(timer, now_ms, token))
+        entered = enter_fire(fire_context(timer, now_ms, token, self.metrics))
         deadlines = self.deadlines
         deadlines.start(timeout)
         try:
@@ -78,19 +79,6 @@ class BatchCalls:
         finally:
             deadlines.stop()  # first: an alarm from now on interrupts nothing
             leave_fire(entered)
-
-    def context(self, timer: store.DueTimer, now_ms: int, token: int) -> FireContext:
-        """What ``durable.current_fire()`` returns to ``timer``'s handler."""
-        return FireContext(
-            timer_id=timer.id,
-            key=timer.key,
-            attempt=timer.attempts,
-            scheduled_ms=timer.fire_at_ms,
-            fired_ms=now_ms,
-            shard=timer.shard,
-            token=token,
-            metrics=self.metrics,
-        )
 
     def _timeout(self, spec: HandlerSpec) -> float:
         # Its own timeout or ATOMIC_TIMEOUT_S, never more than half the lease: an atomic

@@ -230,6 +230,9 @@ class Engine(Ownership):
             for shard in sorted(self.runners):
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
+            for got in self.keeper.take_unloaded():  # taken, never served: free them too
+                self.keeper.release(got.shard, got.token, got.cursor_ms)
+                self.keeper.loaded(got.shard)
             lease_store.mark_stopped(self.db, self.node, self.clock.now_ms())
         except DatabaseError as exc:
             event(log, logging.WARNING, "worker.release_failed", node=self.node, error=exc)

@@ -39,6 +39,7 @@ from durable.exceptions import HandlerTimeout, LeaseLost
 from durable.metrics import WorkerMetrics
 from durable.storage import firing as store
 from durable.storage.leases import fence
+from durable.worker import admission
 from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd, json_value
 
@@ -100,6 +101,7 @@ class ExternalRunner:
         self._lock = threading.Lock()
         self._running: dict[int, Running] = {}
         self._parked: dict[int, Readd] = {}  # waiting for a free thread, oldest first
+        self.shift = conf.BUCKET_SHIFT
         self.freed = threading.Event()
         """Set whenever an attempt is done: the loop waits on it while timers are parked."""
 
@@ -291,6 +293,8 @@ class ExternalRunner:
                 if timer.on_complete:
                     success = {"status": "success", "value": result}
                     self.outcomes.followup(timer, success, now_ms, readd)
+            # Its end frees a slot of its concurrency key: the next in line is made due.
+            readd += admission.release(self.db, [(timer.id, entry.spec)], now_ms, self.shift)
         if error is not None:
             self.outcomes.log_error(timer, attempt, error)
 

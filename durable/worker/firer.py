@@ -51,6 +51,7 @@ from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
+from durable.worker import admission
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.calls import BatchCalls
@@ -103,6 +104,7 @@ class Firer:
         self.clock = clock
         self.inbox = inbox
         self.resolvers = {"handler": registry.resolve, **(resolvers or {})}
+        self.lookup = registry.get
         self.metrics = metrics
         self.outcomes = Outcomes(db=db, conf=conf, metrics=metrics)
         self.external = ExternalRunner(
@@ -286,6 +288,8 @@ class Firer:
             stale, due = store.fence_and_lock_due(self.db, tokens, ids, now_ms)
             if stale:
                 raise _Fenced(stale)
+            shift = self.conf.BUCKET_SHIFT  # over their key's limit: parked (not in due)
+            due = admission.admit(self.db, due, counted, self.lookup, now_ms, shift)
             # Fast path: broker publishes (Celery timers) are held and sent in one flush
             # before the commit, and kinds do their batch-wide work once (cron locks all
             # its schedule rows in one read); the careful redo goes one timer at a time,

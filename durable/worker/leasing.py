@@ -49,6 +49,14 @@ class LeaseKeeper:
         self.scope = sorted(scope)
         self.ttl_s = ttl_s
         self.raft: GroupSet | None = None
+        self.unloaded: dict[int, Acquired] = {}
+        """Leases taken and not yet loaded into a runner (see :meth:`take_unloaded`).
+
+        Each lease is recorded here the moment its UPDATE commits: taking a worker's share
+        is a transaction per shard, and a database error partway (a terminated session)
+        used to drop the list of those already taken, which then sat owned by this worker
+        and served by nobody until they expired, ``LEASE_TTL_S`` later (found by the chaos
+        run, seed 20261202)."""
 
     def fallback(self, shards: Iterable[int]) -> list[int]:
         """The shards the lease rules decide: all without Raft, else those with no quorum."""
@@ -112,6 +120,7 @@ class LeaseKeeper:
             cursor = row.cursor_ms if row is not None else 0
             standby = tuple(raft.standby_due(shard))
             taken.append(Acquired(shard, token, previous, cursor, standby))
+            self.unloaded[shard] = taken[-1]
             event(
                 log,
                 logging.INFO,
@@ -192,6 +201,7 @@ class LeaseKeeper:
             if token is None:
                 continue  # another worker won the race
             taken.append(Acquired(row.shard, token, row.owner, row.cursor_ms))
+            self.unloaded[row.shard] = taken[-1]
             name = "lease.takeover" if row.owner and row.owner != self.node else "lease.acquired"
             event(
                 log,
@@ -204,6 +214,15 @@ class LeaseKeeper:
                 cursor_ms=row.cursor_ms,
             )
         return taken
+
+    def take_unloaded(self) -> list[Acquired]:
+        """The leases taken and not loaded yet, oldest first; the caller loads each and
+        then calls :meth:`loaded` (a failure in between keeps it for the next turn)."""
+        return list(self.unloaded.values())
+
+    def loaded(self, shard: int) -> None:
+        """``shard``'s lease is served now (its runner is built): no longer unloaded."""
+        self.unloaded.pop(shard, None)
 
     def release(self, shard: int, token: int, cursor_ms: int) -> None:
         """Give ``shard`` up cleanly."""

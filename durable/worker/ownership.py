@@ -69,6 +69,7 @@ class Ownership:
     def _maintain_leases(self, now: int) -> None:
         self._next_rebalance_ms = now + int(self.conf.LEASE_TTL_S * 1000 / 3)
         self._next_renew_ms = 0
+        self._load_unloaded(now)  # a database error cut an earlier turn's loading short
         self._renew_if_due()
         rows = lease_store.snapshot(self.db)
         foreign_expiry = self.keeper.next_foreign_expiry_ms(rows, now)
@@ -85,10 +86,19 @@ class Ownership:
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
                 self.metrics.on_lease("released", len(self.runners))
-        taken = self.keeper.acquire_as_leader(self.runners, now)
-        for got in taken + self.keeper.acquire_up_to_share(self.runners, now, rows):
+        self.keeper.acquire_as_leader(self.runners, now)
+        self._load_unloaded(now)
+        self.keeper.acquire_up_to_share(self.runners, now, rows)
+        self._load_unloaded(now)
+
+    def _load_unloaded(self, now: int) -> None:
+        """Build a runner for every lease taken and not loaded yet: this turn's, and any a
+        database error cut short in an earlier turn (renewal, right after, drops it if it
+        was taken meanwhile; every batch is fenced by its token anyway)."""
+        for got in self.keeper.take_unloaded():
             runner = load_acquired(self.db, self.conf, got, now, raft=self.raft is not None)
             self.runners[got.shard] = runner
+            self.keeper.loaded(got.shard)
             self.metrics.on_rebuild(runner.rebuild_s)
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))

@@ -18,7 +18,7 @@ from durable.conf import DurableSettings
 from durable.core.clock import Clock
 from durable.dispatch import kinds
 from durable.exceptions import AttemptsExhausted
-from durable.storage import claims
+from durable.storage import claims, concurrency
 from durable.storage import firing as store
 from durable.storage.notify import Announced
 from durable.worker.batches import BatchOutcome
@@ -90,6 +90,11 @@ class BatchRecorder:
                 self.outcomes.retry_or_fail(timer, timer.attempts, token, exc, now_ms, out.readd)
             external.extend(t.id for t, _ in out.external if t.id not in batch.claimed)
             leftover.extend(t.id for t in out.leftover + out.waiting if t.id in counted)
+        # A claimed timer that failed here (its claim expired with every attempt used,
+        # say) frees a slot of its concurrency key: wake the next in line (announced).
+        ended = [t.id for out in outcomes.values() for t, _ in out.errors]
+        if ended:
+            concurrency.release(self.db, ended, now_ms, self.conf.BUCKET_SHIFT)
         # Timers left for later were counted, not run: give their attempt back.
         claims.uncount(self.db, leftover)
         if external:

@@ -87,15 +87,18 @@ class DatabaseBackend(CheckpointWriter):
     def _run_step(self, call: StepCall) -> Record:
         if call.kind == Kind.ATOMIC:
             return self._run_atomic(call)
+        # The attempt's times ride in its record, written by the checkpoint that exists
+        # anyway (the admin's timeline draws them); the injected clock, as everywhere.
+        started = self.now_ms()
         try:
             result = call.invoke(_step_deadline_s())
         except Exception as exc:
-            return self._failed(call, exc, final=False)
+            return self._failed(call, exc, final=False, started=started)
         try:
             check_result(result)
         except PayloadError as exc:
-            return self._failed(call, exc, final=True)
-        record = _done(call, result)
+            return self._failed(call, exc, final=True, started=started)
+        record = self._timed(_done(call, result), started)
         self._pending[record.seq] = record
         if not self._record_fast():
             with self.checkpoint(hold_first=False):
@@ -104,6 +107,7 @@ class DatabaseBackend(CheckpointWriter):
 
     def _run_atomic(self, call: StepCall) -> Record:
         record = _done(call, None)
+        started = self.now_ms()
         try:
             with self.checkpoint(hold_first=False):
                 try:
@@ -115,15 +119,21 @@ class DatabaseBackend(CheckpointWriter):
                     check_result(result)
                 except PayloadError as exc:
                     raise _StepError(exc, final=True) from exc
-                record = replace(record, result=result)
+                record = self._timed(replace(record, result=result), started)
                 self.write(record)
         except _StepError as failure:  # the checkpoint rolled back with the step's writes
-            return self._failed(call, failure.error, final=failure.final)
+            return self._failed(call, failure.error, final=failure.final, started=started)
         return record
 
-    def _failed(self, call: StepCall, exc: Exception, *, final: bool) -> Record:
+    def _timed(self, record: Record, started: int) -> Record:
+        """``record`` with its attempt's start and duration (ended now)."""
+        return replace(record, started_ms=started, duration_ms=max(0, self.now_ms() - started))
+
+    def _failed(self, call: StepCall, exc: Exception, *, final: bool, started: int) -> Record:
         error = sanitize_error(exc)
-        fields = {"seq": call.seq, "kind": call.kind, "name": call.name, "error": error}
+        ended = self.now_ms()
+        fields = {"seq": call.seq, "kind": call.kind, "name": call.name, "error": error,
+                  "started_ms": started, "duration_ms": max(0, ended - started)}  # fmt: skip
         final = final or call.policy.gives_up(exc)  # GiveUp, give_up_on, retry_on
         if final or call.attempt >= call.policy.max_attempts:
             record = Record(**fields, status=Status.FAILED, attempts=call.attempt)
@@ -132,7 +142,7 @@ class DatabaseBackend(CheckpointWriter):
             event(logging.WARNING, "workflow.step_failed", run=self.run_id, seq=call.seq,
                   step=call.name, attempts=call.attempt, error=error)  # fmt: skip
             return record
-        wake = self.now_ms() + call.policy.backoff.delay_ms(call.attempt)
+        wake = ended + call.policy.backoff.delay_ms(call.attempt)
         record = Record(**fields, status=Status.RETRYING, attempts=call.attempt, wake_ms=wake)
         event(logging.INFO, "workflow.step_retry", run=self.run_id, seq=call.seq,
               step=call.name, attempt=call.attempt, retry_at_ms=wake, error=error)  # fmt: skip

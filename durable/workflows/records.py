@@ -56,14 +56,22 @@ class Record:
     attempts: int = 0
     wake_ms: int | None = None
     """Sleep end, signal-wait deadline, or when a retrying step's next attempt is due."""
+    started_ms: int | None = field(default=None, compare=False)
+    """When this attempt of a step began (``ctx.step``/``ctx.atomic`` run live only).
+    Not part of the history: replay never reads it, and records compare without it."""
+    duration_ms: int | None = field(default=None, compare=False)
+    """How long this attempt of a step ran (with :attr:`started_ms`)."""
 
     def row(self) -> dict[str, Any]:
         """This record's fields as a dict (the step row's columns but the run).
 
         Shallow, unlike ``dataclasses.asdict``: a result is JSON and never changed
         once recorded, and a deep copy of it per checkpoint showed in the step's cost.
+        The attempt's times (``started_ms``, ``duration_ms``) are keys only when known:
+        only steps run live have them, and the storage writes them as the step row's
+        ``started_at`` and ``duration_ms`` (see :mod:`durable.storage.checkpoints`).
         """
-        return {
+        row = {
             "seq": self.seq,
             "kind": self.kind,
             "name": self.name,
@@ -73,6 +81,10 @@ class Record:
             "attempts": self.attempts,
             "wake_ms": self.wake_ms,
         }
+        if self.started_ms is not None:
+            row["started_ms"] = self.started_ms
+            row["duration_ms"] = self.duration_ms
+        return row
 
     def to_json(self) -> dict[str, Any]:
         """This record as a JSON-ready dict (the golden history file format)."""

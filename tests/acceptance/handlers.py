@@ -47,3 +47,33 @@ def outside_pause(key: str, seconds: float) -> str:
     time.sleep(seconds)
     FireRecord.objects.create(key=key, fired_at_ms=time.time_ns() // 1_000_000)
     return key
+
+
+#: The ledger :func:`ledgered` writes (created by its test): one row when an attempt
+#: starts and one when it ends, stamped by the database's clock.
+LEDGER = "concurrency_ledger"
+
+
+def account_of(account: str, n: int, seconds: float) -> str:
+    """The concurrency key of a :func:`ledgered` call."""
+    return account
+
+
+@durable.handler(atomic=False, concurrency_key=account_of, max_concurrency=2, max_attempts=20)
+def ledgered(account: str, n: int, seconds: float) -> None:
+    """Write ``start`` to the ledger, take ``seconds``, write ``end``: at most two per account."""
+    import os
+
+    from django.db import connection
+
+    def write(event: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {LEDGER} (account, n, pid, event, at) "
+                "VALUES (%s, %s, %s, %s, clock_timestamp())",
+                [account, n, os.getpid(), event],
+            )
+
+    write("start")
+    time.sleep(seconds)
+    write("end")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ import durable
 from durable.models import Timer, WorkflowRun
 from durable.worker.engine import Engine
 from testproject.demo import probes
+from testproject.demo.models import Order
 from testproject.demo.workflows import onboarding
 
 CHROMIUM = Path(os.environ.get("DURABLE_CHROMIUM", "/usr/bin/chromium"))
@@ -176,7 +178,63 @@ def test_operator_path_through_the_admin(worker, page, shots):
     page.screenshot(path=str(shots / "admin-overview.png"), full_page=True)
 
 
-def _hours(n: int):
-    from datetime import timedelta
+def test_a_runs_timeline(worker, page, shots):
+    """A run drawn to scale on its page (the docs' admin-timeline.png), and a run bound
+    to an order drawn on the order's page. Real worker, real clock: about 3 s of runs."""
+    order = Order.objects.create(customer="ada", total_cents=4200)
+    bound = order.fulfil.start()
+    run = checkout.start("A-17")
+    run_until(worker, lambda: WorkflowRun.objects.get(pk=run.pk).state == "waiting")
+    time.sleep(0.5)  # the wait for the signal shows as a bar
+    durable.send_signal(run.pk, "shipped", {"tracking": "<script>alert(1)</script>"})
+    run_until(worker, lambda: WorkflowRun.objects.get(pk=run.pk).state == "completed")
+    base = page.base
 
+    page.goto(f"{base}/admin/demo/order/{order.pk}/change/")
+    page.wait_for_selector(f"#timeline-{bound.pk}")
+    page.goto(f"{base}/admin/durable/workflowrun/{run.pk}/change/")
+    timeline = page.locator("fieldset.durable-runs")
+    assert timeline.locator(".dt-row").count() == 2 + 5 + 1  # axis, run, 5 calls, 1 signal
+    assert timeline.locator(".dt-bar.dt-failed").count() == 1  # the charge's first attempt
+    sleep = timeline.locator(".dt-bar.dt-sleep").bounding_box()
+    track = timeline.locator(".dt-track").nth(1).bounding_box()
+    run = WorkflowRun.objects.get(pk=run.pk)
+    total_s = (run.finished_at - run.created_at).total_seconds()
+    assert sleep and track
+    assert sleep["width"] / track["width"] == pytest.approx(1.0 / total_s, rel=0.1)
+    timeline.screenshot(path=str(shots / "admin-timeline.png"))
+
+
+def reserve(order: str) -> str:
+    time.sleep(0.2)  # the work the timeline draws
+    return order
+
+
+def charge(order: str) -> str:
+    time.sleep(0.1)
+    if FLAKY.setdefault(order, 0) == 0:
+        FLAKY[order] += 1
+        raise ConnectionError("gateway timeout")
+    return f"pay-{order}"
+
+
+def mark_done(order: str) -> str:
+    return order
+
+
+FLAKY: dict[str, int] = {}
+
+
+@durable.workflow(max_attempts=3)
+def checkout(ctx, order: str) -> str:
+    """Reserve, charge (fails once), sleep a second, wait for shipping, finish."""
+    ctx.step(reserve, order)
+    payment = ctx.step(charge, order)
+    ctx.sleep(timedelta(seconds=1))
+    ctx.wait_for_signal("shipped", timeout=timedelta(minutes=1))
+    ctx.atomic(mark_done, order)
+    return payment
+
+
+def _hours(n: int):
     return timedelta(hours=n)

@@ -89,7 +89,8 @@ def test_notify_setting_off_sends_nothing(clock, listener):
     marker_is_next(listener)
 
 
-def test_schedule_many_asks_each_near_shard_to_rescan_once(clock, listener):
+def test_a_large_schedule_many_asks_each_near_shard_to_rescan_once(clock, listener):
+    # More than PER_TIMER_NOTICES (256) near timers: one "rescan shard" notice per shard.
     timers = durable.schedule_many(
         [{"fn": h.noop, "args": [i]} for i in range(300)]
         + [{"fn": h.noop, "key": "far", "delay": timedelta(days=1)}]
@@ -99,6 +100,15 @@ def test_schedule_many_asks_each_near_shard_to_rescan_once(clock, listener):
     assert {n.shard for n in notices} == near_shards
     assert all(n.timer_id is None for n in notices)  # "<shard>,*": rescan, not one per timer
     assert len(notices) == len(near_shards)
+    marker_is_next(listener)
+
+
+def test_a_small_schedule_many_announces_each_timer_in_one_payload(clock, listener):
+    timers = durable.schedule_many([{"fn": h.noop, "args": [i]} for i in range(20)])
+    notices = parse(next_payload(listener))  # one pg_notify for the 20
+    assert [(n.shard, n.timer_id, n.fire_at_ms) for n in notices] == [
+        (t.shard, t.pk, NOW) for t in timers
+    ]
     marker_is_next(listener)
 
 

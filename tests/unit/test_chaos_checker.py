@@ -272,3 +272,85 @@ def test_a_fault_during_the_recovery_from_another_starts_the_recovery_over():
     # A lock taken after the recovery was due (10 s) explains nothing of the lateness.
     found = flagged(late(10_001, 20_000))["lateness_within_bound"]
     assert "lock@" not in found[0] and "stop@0" in found[0]
+
+
+def test_holds_read_from_the_worker_logs_chain_where_the_estimate_broke():
+    # Seed 20261202: three hanging atomic poisons held one worker's loop in turn (40
+    # twice, then 41, 42, 41 again) and a fire due during the first hold came when the
+    # last ended. Estimated from the rows (attempts x timeout before the dead letter),
+    # 41's holds begin after 40's recovery was over and the chain breaks: the fire
+    # looked late. Read from the log, the holds chain.
+    import time as _time
+
+    from chaos.lateness import holds_from_logs
+
+    def line(at_s: int, timer_id: int, attempt: int, target: str = "atomic_poison") -> str:
+        stamp = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(at_s))
+        return (
+            f"{stamp},000 WARNING durable.worker timer.error timer={timer_id} "
+            f"target=testproject.demo.poison.{target} attempt={attempt} error="
+            "HandlerTimeout: the handler ran past its timeout of 5 s and was interrupted\n"
+        )
+
+    base = 1_800_000_000
+    ends = [(5, 40, 1), (10, 40, 2), (15, 41, 1), (20, 42, 1), (25, 41, 2)]
+    log = [line(base + at, id_, n) for at, id_, n in ends]
+    log.append(line(base + 16, 43, 1, "external_poison"))  # not on the loop: no hold
+    holds = holds_from_logs(log, "w2", {"testproject.demo.poison.atomic_poison"})
+    assert [(h["start_ms"] - base * 1000, h["end_ms"] - base * 1000) for h in holds] == [
+        (at * 1000 - 5500, at * 1000) for at, _, _ in ends
+    ], "each hold ends at its line and began its timeout (and a little) before"
+    assert [h["timer_id"] for h in holds] == [40, 40, 41, 42, 41]
+
+    def change(h: History) -> None:
+        for id_, last_s in ((40, 10), (41, 25), (42, 30)):  # 42's second: another worker
+            h.ops.append(ok_op("poison", f"p{id_}", handler="atomic_poison", poison="hang"))
+            h.ops[-1].update(timer_id=id_, due_ms=base * 1000)
+            row = timer(id_, "hang", "failed", attempts=2, max_attempts=2)
+            h.timers.append({**row, "updated_ms": (base + last_s) * 1000})
+        h.ops[0]["due_ms"] = base * 1000 + 1000  # due during the first hold
+        h.ledger[0] = ("t1", base * 1000 + 26_500, base * 1000 + 1000)
+
+    estimated = broken(change)
+    assert "lateness_within_bound" in flagged(estimated), "the estimate breaks the chain"
+    logged = broken(change)
+    logged.holds = holds  # (42's second hold, on another worker, came after the fire)
+    verdict = check(logged)
+    assert verdict.ok, verdict.violations
+    assert verdict.lateness["poison_hang"] == 1_500, "from the end of the last hold"
+
+
+def test_a_retry_after_a_failed_attempt_is_late_only_from_its_own_due_time():
+    # Seed 20261202: an external handler's own session was terminated (attempt 1 failed),
+    # then its worker froze: its retry came 20 s after the first due time, which is its
+    # backoff after the failure, by design, then the recovery from what struck next.
+    import time as _time
+
+    from chaos.lateness import retries_from_logs
+
+    base = 1_800_000_000
+    stamp = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(base + 20))
+    line = (
+        f"{stamp},250 WARNING durable.worker timer.error timer=1 target=testproject.demo."
+        "chaos.atomic attempt=2 error=OperationalError: terminating connection due to ...\n"
+    )
+    retries = retries_from_logs(["noise\n", line])
+    assert retries == {1: [(base * 1000 + 20_250, base * 1000 + 22_250)]}, "backoff 2 s"
+
+    def fired_at(ms: int) -> History:
+        def change(h: History) -> None:
+            h.ops[0]["due_ms"] = base * 1000
+            h.ledger[0] = ("t1", base * 1000 + ms, base * 1000)
+
+        return broken(change)
+
+    late = fired_at(29_000)  # 29 s after its first due time, no fault near
+    assert "lateness_within_bound" in flagged(late)
+    late.retries = retries
+    assert check(late).ok, "7 s after its retry was due: the healthy bound"
+    later = fired_at(29_251)
+    later.retries = retries
+    assert "lateness_within_bound" in flagged(later)
+    early = fired_at(21_000)  # retried before its longest backoff: not late at all
+    early.retries = retries
+    assert check(early).lateness["none"] < 1000, "the other fires' 200 ms is the worst"

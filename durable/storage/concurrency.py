@@ -1,0 +1,335 @@
+"""Concurrency keys: admit a key's timers up to its limit, park the rest, wake them in order.
+
+A handler declared with ``concurrency_key``/``max_concurrency`` stores each timer's key
+(``Timer.concurrency_key``) and routes the timer to the key's shard, so one owner, under
+its lease token, decides for the key. A key's *active* timers are its rows in state
+``firing`` (claimed, their handler running or about to); nothing else is counted, so
+the count cannot drift from the rows it describes.
+
+- :func:`admit` runs in the firing batch's fenced transaction. It locks the key's row
+  (:class:`~durable.limits.ConcurrencyKey`) before counting, so two transactions never
+  decide for one key at once and commits landing out of order cannot admit more than
+  the limit. A timer over the limit is *parked*: still pending, due at
+  :data:`PARKED_MS` (never, until woken), with ``queued_ms`` its place in line (the
+  time it first came due). It holds no wheel entry and is never rescanned: no polling.
+- :func:`release` runs in the transaction that records an active timer's end (fired,
+  retried, dead-lettered). It locks the key's row and makes the oldest parked timers due
+  now, as many as there are free slots. A woken timer keeps its place (``queued_ms``)
+  and holds its slot until it fires: a timer that came due later cannot take it.
+
+Lock order: timer rows (the batch's, or the completing one), then key rows by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import connections
+
+from durable.core.ratelimit import Rate, parse_rate
+from durable.core.sharding import bucket_of
+from durable.limits import ConcurrencyKey
+from durable.models import TimerState
+from durable.storage import statements
+from durable.storage.notify import notify_timers
+
+#: 9999-12-31T23:59:59.999Z: a parked timer's due time ("when a slot frees").
+PARKED_MS = 253_402_300_799_999
+
+_PENDING = TimerState.PENDING.value
+_FIRING = TimerState.FIRING.value
+
+#: A handler's ``(max_concurrency, rate)``: either may be ``None`` (no such limit).
+Limits = tuple[int | None, Rate | None]
+
+#: (shard, timer id, fire_at_ms) of a timer made due, for the owner's wheel.
+Woken = tuple[int, int, int]
+
+
+class _Key:
+    """One locked key's limits and state while a transaction decides for it."""
+
+    def __init__(self, limit: int | None, rate: Rate | None, log: list[int]) -> None:
+        self.limit = limit
+        self.rate = rate
+        self.log = log
+        self.logged = False  # the log changed: write it back
+
+    def free(self, active: int, reserved: int) -> float:
+        """Slots free for new starts (infinite without ``max_concurrency``)."""
+        return INFINITE if self.limit is None else self.limit - active - reserved
+
+    def room(self, now_ms: int) -> float:
+        """Starts the rate allows at ``now_ms`` (infinite without a rate)."""
+        return INFINITE if self.rate is None else self.rate.room(self.log, now_ms)
+
+    def started(self, now_ms: int) -> None:
+        if self.rate is not None:
+            self.log = self.rate.record(self.log, now_ms)
+            self.logged = True
+
+
+INFINITE = float("inf")
+
+
+def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int) -> set[int]:
+    """Decide admission for a batch's keyed timers; park those over their key's limits.
+
+    ``limits`` maps each due, counted timer of a limited handler to its limits. Returns
+    the ids parked (their counted attempt given back); the others may fire. A row firing
+    already (a claim re-run after its worker died) holds its slot and was counted by the
+    rate when it first started: it is always admitted. Call inside the batch's fenced
+    transaction.
+    """
+    by_key: dict[str, list[tuple[Any, ...]]] = {}
+    for row in _keyed_rows(db, list(limits)):
+        by_key.setdefault(row[1], []).append(row)
+    keys = _lock_keys(db, {key: limits[group[0][0]] for key, group in by_key.items()})
+    counts = _counts(db, sorted(by_key), list(limits))
+    parked: list[int] = []
+    admitted_in_line: list[int] = []
+    woken: list[Woken] = []
+    for name in sorted(by_key):
+        key, group = keys[name], by_key[name]
+        active, reserved, waiting = counts[name]
+        free, room = key.free(active, reserved), key.room(now_ms)
+        # Firing rows first (they hold a slot), then the line: its place, then id.
+        group.sort(key=lambda r: (r[2] != _FIRING, r[3] if r[3] is not None else r[4], r[0]))
+        parked_here = []
+        for timer_id, _, state, queued_ms, _fire_at, _shard in group:
+            # A timer new to the line goes behind those parked in it already.
+            in_turn = queued_ms is not None or not waiting
+            if state == _FIRING or (free > 0 and room > 0 and in_turn):
+                if state != _FIRING:
+                    free, room = free - 1, room - 1
+                    key.started(now_ms)
+                if queued_ms is not None:
+                    admitted_in_line.append(timer_id)
+            else:
+                parked_here.append(timer_id)
+        _park(db, parked_here, bucket_shift)
+        parked += parked_here
+        waiting += len(parked_here)
+        woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
+    _save_logs(db, keys)
+    _leave_line(db, admitted_in_line)
+    notify_timers(db, woken)
+    return set(parked)
+
+
+def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -> list[Woken]:
+    """Wake the oldest parked timers of the keys of ``timer_ids``, which just ended.
+
+    Call in the transaction that records their end (or their cancel). Returns the
+    timers made due (also announced by NOTIFY at commit).
+    """
+    names = sorted({row[1] for row in _keyed_rows(db, list(timer_ids))})
+    if not names:
+        return []
+    keys = _lock_keys(db, {name: None for name in names})
+    woken: list[Woken] = []
+    counts = _counts(db, sorted(keys), [])
+    for name, key in sorted(keys.items()):
+        active, reserved, waiting = counts[name]
+        free = (key.free(active, reserved), reserved, waiting)
+        woken += _next_in_line(db, name, key, free, now_ms, bucket_shift)
+    notify_timers(db, woken)
+    return woken
+
+
+def _next_in_line(
+    db: str,
+    name: str,
+    key: _Key,
+    counts: tuple[float, int, int],
+    now_ms: int,
+    bucket_shift: int,
+) -> list[Woken]:
+    """Make due the parked timers of ``name`` whose turn it is, oldest first; return them.
+
+    ``counts``: the key's free slots, woken timers not started yet, and parked ones.
+    As many as there are free slots; with a rate, no more than it allows now, or (none
+    allowed now) the first one alone, due when the window has room, and none while a
+    woken one has not started yet (it will call the next when it does).
+    """
+    free, reserved, waiting = counts
+    if waiting <= 0 or free <= 0:
+        return []
+    if key.rate is None:
+        return _wake(db, name, int(free), now_ms, bucket_shift)
+    if reserved:
+        return []
+    room = key.room(now_ms)
+    if room > 0:
+        return _wake(db, name, int(min(free, room)), now_ms, bucket_shift)
+    return _wake(db, name, 1, key.rate.next_ms(key.log), bucket_shift)
+
+
+def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
+    """``(id, concurrency_key, state, queued_ms, fire_at_ms, shard)`` of the keyed ``ids``."""
+    if not ids:
+        return []
+    where, params = statements.in_clause(connections[db].vendor, ids)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "SELECT id, concurrency_key, state, queued_ms, fire_at_ms, shard FROM durable_timer "
+            f"WHERE {where} AND concurrency_key IS NOT NULL",
+            params,
+        )
+        return list(cursor.fetchall())
+
+
+def _lock_keys(db: str, policies: Mapping[str, Limits | None]) -> dict[str, _Key]:
+    """Lock the rows of ``policies``' keys in name order and return them.
+
+    A policy (admission) creates a missing row and updates its limits to the handler's
+    current ones; ``None`` (an end) reads the stored ones. Rows are never deleted, so the
+    insert is only tried for names the lock did not find (once per key, in practice).
+    """
+    names = sorted(policies)
+    rows = _locked(db, names)
+    missing = [name for name in names if name not in rows and policies[name] is not None]
+    if missing:
+        new = []
+        for name in missing:
+            limit, rate = _limits(policies[name])  # type: ignore[arg-type]
+            new.append(ConcurrencyKey(name=name, max_concurrency=limit, rate_limit=rate))
+        ConcurrencyKey.objects.using(db).bulk_create(new, ignore_conflicts=True)
+        rows.update(_locked(db, missing))
+    keys = {}
+    for name, (limit, rate, log) in rows.items():
+        policy = policies[name]
+        if policy is not None and _limits(policy) != (limit, rate):
+            limit, rate = _limits(policy)
+            ConcurrencyKey.objects.using(db).filter(name=name).update(
+                max_concurrency=limit, rate_limit=rate
+            )
+        keys[name] = _Key(limit, parse_rate(rate) if rate else None, log)
+    return keys
+
+
+def _locked(db: str, names: list[str]) -> dict[str, tuple[int | None, str, list[int]]]:
+    """Lock the existing rows of ``names`` (in name order); their limits and rate log."""
+    conn = connections[db]
+    if conn.vendor == "postgresql":
+        where, params = "name = ANY(%s::text[])", [list(names)]
+    else:
+        where, params = f"name IN ({', '.join(['%s'] * len(names))})", list(names)
+    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "SELECT name, max_concurrency, rate_limit, recent FROM durable_concurrencykey "
+            f"WHERE {where} ORDER BY name{lock}",
+            params,
+        )
+        rows = cursor.fetchall()
+    return {name: (limit, rate, _json_list(log)) for name, limit, rate, log in rows}
+
+
+def _json_list(value: Any) -> list[int]:
+    # JSON columns arrive as text on every backend (see durable.storage.firing._json).
+    return list(json.loads(value) if isinstance(value, str | bytes) else value or [])
+
+
+def _limits(limits: Limits) -> tuple[int | None, str]:
+    """As stored: the limit, and the rate's text (``""`` for none)."""
+    return limits[0], "" if limits[1] is None else limits[1].text
+
+
+def _save_logs(db: str, keys: Mapping[str, _Key]) -> None:
+    """Write back the rate logs that changed (one statement on PostgreSQL)."""
+    changed = sorted((name, json.dumps(key.log)) for name, key in keys.items() if key.logged)
+    if not changed:
+        return
+    with statements.cursor(db) as cursor:
+        if connections[db].vendor == "postgresql":
+            cursor.execute(
+                "UPDATE durable_concurrencykey AS k SET recent = v.log::jsonb "
+                "FROM unnest(%s::text[], %s::text[]) AS v(name, log) WHERE k.name = v.name",
+                [[name for name, _ in changed], [log for _, log in changed]],
+            )
+            return
+        for name, log in changed:
+            cursor.execute(
+                "UPDATE durable_concurrencykey SET recent = %s WHERE name = %s", [log, name]
+            )
+
+
+def _wake(db: str, key: str, count: int, due_ms: int, bucket_shift: int) -> list[Woken]:
+    """Make the ``count`` oldest parked timers of ``key`` due at ``due_ms``; return them."""
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "SELECT id, shard FROM durable_timer WHERE concurrency_key = %s AND state = %s "
+            "AND queued_ms IS NOT NULL AND fire_at_ms = %s ORDER BY queued_ms, id LIMIT %s",
+            [key, _PENDING, PARKED_MS, count],
+        )
+        rows = cursor.fetchall()
+    if not rows:
+        return []
+    where, params = statements.in_clause(connections[db].vendor, [row[0] for row in rows])
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            f"UPDATE durable_timer SET fire_at_ms = %s, bucket = %s WHERE {where}",
+            [due_ms, bucket_of(due_ms, bucket_shift), *params],
+        )
+    return [(shard, timer_id, due_ms) for timer_id, shard in rows]
+
+
+def _park(db: str, ids: list[int], bucket_shift: int) -> None:
+    """Park ``ids`` (see the module docstring) and give back the attempt counted for them."""
+    if not ids:
+        return
+    where, params = statements.in_clause(connections[db].vendor, ids)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET queued_ms = COALESCE(queued_ms, fire_at_ms), "
+            "fire_at_ms = %s, bucket = %s, attempts = attempts - 1, claim_token = NULL "
+            f"WHERE {where} AND state = %s",
+            [PARKED_MS, bucket_of(PARKED_MS, bucket_shift), *params, _PENDING],
+        )
+
+
+def _leave_line(db: str, ids: list[int]) -> None:
+    """Admitted timers that waited in line leave it (a later retry is a new arrival)."""
+    if not ids:
+        return
+    where, params = statements.in_clause(connections[db].vendor, ids)
+    with statements.cursor(db) as cursor:
+        cursor.execute(f"UPDATE durable_timer SET queued_ms = NULL WHERE {where}", params)
+
+
+def _counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
+    """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving
+    ``exclude`` out. One statement for all keys.
+
+    Each part reads its own index range (``durable_timer_conc_idx`` for the running,
+    ``durable_timer_line_idx`` for the line), never the key's other pending timers: a
+    key with a million timers due next month costs nothing here.
+    """
+    vendor = connections[db].vendor
+    where, params = statements.in_clause(vendor, exclude or [0])
+    mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
+    line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
+    parts = (
+        f"(SELECT count(*) {mine} AND t.state = %s), "
+        f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
+        f"(SELECT count(*) FROM (SELECT 1 {line} AND t.fire_at_ms = %s LIMIT 1) AS parked)"
+    )
+    args = [
+        *(*params, _FIRING),
+        *(*params, _PENDING, PARKED_MS),
+        *(*params, _PENDING, PARKED_MS),
+    ]
+    if vendor == "postgresql":
+        sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
+        args.append(names)
+    else:
+        keys = " UNION ALL ".join(["SELECT %s AS name"] * len(names))
+        sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
+        args.extend(names)
+    with statements.cursor(db) as cursor:
+        cursor.execute(sql, args)
+        rows = cursor.fetchall()
+    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}
