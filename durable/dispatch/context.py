@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,17 @@ _current: ContextVar[FireContext | None] = ContextVar("durable_fire", default=No
 def current_fire() -> FireContext | None:
     """Return the :class:`FireContext` of the handler running now, or ``None``."""
     return _current.get()
+
+
+def enter_fire(ctx: FireContext) -> Token[FireContext | None]:
+    """Make ``ctx`` current until :func:`leave_fire` (what :func:`firing` does, without a
+    context manager: the worker's fire loop calls it once per handler)."""
+    return _current.set(ctx)
+
+
+def leave_fire(token: Token[FireContext | None]) -> None:
+    """Undo the :func:`enter_fire` that returned ``token``."""
+    _current.reset(token)
 
 
 @contextmanager

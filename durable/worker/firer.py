@@ -46,16 +46,15 @@ from durable.conf import DurableSettings
 from durable.core.clock import Clock
 from durable.dispatch import kinds
 from durable.dispatch.broker import DeferredPublishError, publishers
-from durable.dispatch.context import firing
-from durable.dispatch.registry import HandlerRegistry, HandlerSpec, check_stored_call
+from durable.dispatch.registry import HandlerRegistry, HandlerSpec
 from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
 from durable.worker import admission
 from durable.worker.attempts import AttemptTracker
-from durable.worker.batches import BatchOutcome, Work, fire_context, merge
-from durable.worker.deadline import Deadlines
+from durable.worker.batches import BatchOutcome, Work, merge
+from durable.worker.calls import BatchCalls
 from durable.worker.external import ExternalRunner
 from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd
@@ -125,7 +124,7 @@ class Firer:
             external=self.external,
             inbox=inbox,
         )
-        self.deadlines = Deadlines()
+        self.calls = BatchCalls(conf=conf, resolvers=self.resolvers, metrics=metrics)
         self.quarantined: set[int] = set()
         """Timers whose bookkeeping failed even alone: not fired again by this process."""
         self.attempts = AttemptTracker(db, claims.Counted(), {})
@@ -304,6 +303,7 @@ class Firer:
             with (
                 publishers.deferred() if fast else contextlib.nullcontext(),
                 kinds.batch_scopes(self.db, due, batch) if fast else contextlib.nullcontext(),
+                self.calls.batch(),
             ):
                 for timer in due:
                     out = outcomes[timer.shard]
@@ -337,25 +337,21 @@ class Firer:
     ) -> bool:
         """Run one counted timer, or take it for the executor (then return True)."""
         try:
-            spec = self._resolve(timer)
-            check_stored_call(timer.args, timer.kwargs)  # a bad row fails for good
+            call = self.calls.lookup(timer)
         except Exception as exc:  # unknown handler, unknown kind: retried, then dead letter
             out.errors.append((timer, exc))
             return False
+        spec = call[0]
         if not spec.atomic or timer.kind in self.external.shipped:
             if free <= 0:
                 out.waiting.append(timer)  # no free thread: parked until one is
                 return False
             out.external.append((timer, spec))
             return True
-        ctx = fire_context(timer, now_ms, token, self.metrics)
-        timeout = spec.timeout if spec.timeout is not None else self.conf.ATOMIC_TIMEOUT_S
-        timeout = min(timeout, self.conf.LEASE_TTL_S / 2)  # it holds the loop: keep leases
         if failed is None:
             self.attempts.started.add(timer.id)
             try:
-                with firing(ctx), self.deadlines.limit(timeout):
-                    out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
+                out.fired.append((timer, self.calls.call(timer, call, now_ms, token)))
             except kinds.RedoCarefully:
                 raise
             except BaseException as exc:  # any failure is this timer's: redo carefully
@@ -367,8 +363,8 @@ class Firer:
             return False
         self.attempts.started.add(timer.id)
         try:
-            with transaction.atomic(using=self.db), firing(ctx), self.deadlines.limit(timeout):
-                out.fired.append((timer, spec.fn(*timer.args, **timer.kwargs)))
+            with transaction.atomic(using=self.db):
+                out.fired.append((timer, self.calls.call(timer, call, now_ms, token)))
         except BaseException as exc:  # its savepoint rolled its own effects back
             self.attempts.blame(timer.id, exc)
             out.errors.append((timer, spec.failure(exc)))
@@ -380,10 +376,3 @@ class Firer:
         now_ms = self.clock.now_ms()
         if not self.outcomes.give_up(runner.shard, runner.token, timer_id, exc, now_ms):
             self.quarantined.add(timer_id)
-
-    def _resolve(self, timer: store.DueTimer) -> HandlerSpec:
-        try:
-            resolver = self.resolvers[timer.kind]
-        except KeyError:
-            raise LookupError(f"no dispatcher for timer kind {timer.kind!r}") from None
-        return resolver(timer.target)
