@@ -12,7 +12,13 @@ from typing import Any
 
 from durable.exceptions import PayloadError, ScheduleError, UnknownHandler
 
-__all__ = ["check_binding", "check_kwargs", "check_stored_binding", "handler_path"]
+__all__ = [
+    "check_binding",
+    "check_kwargs",
+    "check_stored_binding",
+    "check_unlimited",
+    "handler_path",
+]
 
 
 def check_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -71,6 +77,7 @@ def handler_path(
     if inspect.iscoroutinefunction(fn):
         raise _fail(f"handler: {path} is async")
     check_binding(fn, path, kwargs)
+    check_unlimited(path)
     if registered:
         _check_registered(handler if isinstance(handler, str) else path)
     return handler if isinstance(handler, str) else path
@@ -120,6 +127,27 @@ def check_stored_binding(path: str, kwargs: dict[str, Any]) -> None:
     except UnknownHandler:
         return
     check_binding(fn, path, kwargs)
+
+
+def check_unlimited(path: str) -> None:
+    """Raise ``ScheduleError`` (``durable.E016``) if ``path`` is a limited handler.
+
+    A schedule calls its function directly (``fn(occurrence, **kwargs)``), outside any
+    concurrency key's line: a ``@durable.handler`` declared with ``concurrency_key``
+    (``max_concurrency``, ``rate_limit``) would run over its limits. The way to run a
+    limited handler on a schedule is a plain schedule function that calls
+    ``durable.schedule(handler, ...)``: its timers wait in the key's line.
+    """
+    from durable.dispatch.registry import handlers
+
+    spec = handlers.get(path)
+    if spec is not None and spec.concurrency is not None:
+        raise _fail(
+            f"handler: {path} is declared with @durable.handler(concurrency_key=...): a "
+            "schedule would call it directly, outside its key's limits; schedule a "
+            f"function that calls durable.schedule({path.rsplit('.', 1)[-1]}, ...) instead, "
+            "whose timers wait in the key's line"
+        )
 
 
 def _fail(message: str, check_id: str = "durable.E016", field: str = "handler") -> ScheduleError:

@@ -23,6 +23,7 @@ from durable.core import cron as calendar
 from durable.core.timeutil import ms_to_datetime
 from durable.dispatch.registry import WHERE_TO_REGISTER, HandlerRegistry, HandlerSpec, handlers
 from durable.exceptions import ScheduleError, UnknownHandler
+from durable.scheduling.callables import check_unlimited
 from durable.scheduling.specs import Problems, ScheduleSpec, build_spec, settings_specs
 
 if TYPE_CHECKING:
@@ -127,7 +128,9 @@ def schedule_function(path: str) -> Callable[[Occurrence], Any]:
 
     A schedule runs a function registered by ``@durable.cron``/``@durable.every``, by
     ``DURABLE["CRONS"]``, or by ``@durable.handler`` (what schedules created at run time
-    with :mod:`durable.schedules` name). Anything else raises :class:`UnknownHandler`.
+    with :mod:`durable.schedules` name). Anything else raises :class:`UnknownHandler`;
+    a handler declared with a ``concurrency_key`` raises ``ScheduleError`` (see
+    :func:`~durable.scheduling.callables.check_unlimited`): its limits would not hold.
     """
     spec = functions.get(path) or handlers.get(path)
     if spec is None:
@@ -137,6 +140,7 @@ def schedule_function(path: str) -> Callable[[Occurrence], Any]:
             f"with @durable.handler); {WHERE_TO_REGISTER}",
             handler=path,
         )
+    check_unlimited(path)  # a handler given a limit after the schedule was made
     return spec.fn  # type: ignore[no-any-return]
 
 

@@ -11,6 +11,7 @@ from durable.conf import get_settings
 from durable.dispatch import concurrency
 from durable.dispatch.giveup import check_exceptions
 from durable.dispatch.registry import HandlerSpec, handler_name, handlers
+from durable.exceptions import ScheduleError
 from durable.scheduling.validation import check_max_attempts, check_timeout, to_backoff
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,6 +97,8 @@ def handler(
 
     def register(func: F) -> F:
         _check_function(func)
+        if limit is not None:
+            _check_not_scheduled(func)
         spec = HandlerSpec(
             name=handler_name(func),
             fn=func,
@@ -125,3 +128,21 @@ def _check_function(func: Any) -> None:
         )
     if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
         raise TypeError(f"handler {func.__qualname__!r} is async; handlers must be sync functions")
+
+
+def _check_not_scheduled(func: Any) -> None:
+    # @durable.cron/@durable.every applied first (under this decorator): a schedule would
+    # call the function outside its key's limits (the other order is refused by the
+    # schedule's own check, durable.scheduling.callables.check_unlimited).
+    from durable.scheduling.cron import functions
+
+    path = handler_name(func)
+    if functions.get(path) is not None:
+        raise ScheduleError(
+            f"@durable.handler on {path}: concurrency_key: the function is declared as a "
+            "schedule (@durable.cron / @durable.every), which calls it directly, outside "
+            "the key's limits; schedule a function that calls durable.schedule("
+            f"{func.__name__}, ...) instead, whose timers wait in the key's line",
+            field="handler",
+            check_id="durable.E016",
+        )

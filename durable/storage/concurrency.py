@@ -18,6 +18,9 @@ the count cannot drift from the rows it describes.
   It locks the key's row and makes the oldest parked timers due now, as many as there
   are free slots. A woken timer keeps its place (``queued_ms``) and holds its slot
   until it fires: a timer that came due later cannot take it.
+- :func:`settle` runs in the batch transaction once the batch knows which admitted
+  timers it started: those it left for later (no free thread, time budget spent) keep
+  their place and slot, and the rate forgets the start logged for them.
 
 Lock order: timer rows (the batch's, or the completing one), then key rows by name.
 """
@@ -76,13 +79,21 @@ class _Key:
 INFINITE = float("inf")
 
 
-def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int) -> set[int]:
+def admit(
+    db: str,
+    limits: Mapping[int, Limits],
+    now_ms: int,
+    bucket_shift: int,
+    from_line: dict[int, int] | None = None,
+) -> set[int]:
     """Decide admission for a batch's keyed timers; park those over their key's limits.
 
     ``limits`` maps each due, counted timer of a limited handler to its limits. Returns
     the ids parked (their counted attempt given back); the others may fire. A row firing
     already (a claim re-run after its worker died) holds its slot and was counted by the
-    rate when it first started: it is always admitted. Call inside the batch's fenced
+    rate when it first started: it is always admitted. Admitted timers that waited in
+    line are added to ``from_line``, with their place (``queued_ms``): they stay in it
+    until :func:`settle` says whether they started. Call inside the batch's fenced
     transaction.
     """
     by_key: dict[str, list[tuple[Any, ...]]] = {}
@@ -91,7 +102,7 @@ def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int)
     keys = _lock_keys(db, {key: limits[group[0][0]] for key, group in by_key.items()})
     counts = _counts(db, sorted(by_key), list(limits))
     parked: list[int] = []
-    admitted_in_line: list[int] = []
+    admitted_in_line: dict[int, int] = {}
     woken: list[Woken] = []
     for name in sorted(by_key):
         key, group = keys[name], by_key[name]
@@ -108,7 +119,7 @@ def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int)
                     free, room = free - 1, room - 1
                     key.started(now_ms)
                 if queued_ms is not None:
-                    admitted_in_line.append(timer_id)
+                    admitted_in_line[timer_id] = queued_ms
             else:
                 parked_here.append(timer_id)
         _park(db, parked_here, bucket_shift)
@@ -116,9 +127,45 @@ def admit(db: str, limits: Mapping[int, Limits], now_ms: int, bucket_shift: int)
         waiting += len(parked_here)
         woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
     _save_logs(db, keys)
-    _leave_line(db, admitted_in_line)
+    if from_line is not None:
+        from_line.update(admitted_in_line)
     notify_timers(db, woken)
     return set(parked)
+
+
+def settle(db: str, started: list[int], left: list[int], now_ms: int) -> None:
+    """After :func:`admit`, once the batch knows which admitted timers it ran.
+
+    ``started``: admitted timers that waited in line and started (or ended): they leave
+    it, so a later retry is a new arrival. ``left``: admitted timers the batch left for
+    later (no free thread, or its time budget spent): they keep their place in line, or
+    take the one their due time gives them, and hold their slot until they start, as a
+    woken timer does; the starts :func:`admit` logged for them at ``now_ms`` are taken
+    back, so a rate does not count them until they do start. In the batch transaction,
+    before anything of the batch calls :func:`release`.
+    """
+    _leave_line(db, started)
+    if not left:
+        return
+    vendor = connections[db].vendor
+    where, params = statements.in_clause(vendor, left)
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "UPDATE durable_timer SET queued_ms = COALESCE(queued_ms, fire_at_ms) "
+            f"WHERE {where} AND state = %s",
+            [*params, _PENDING],
+        )
+    per_key: dict[str, int] = {}
+    for row in _keyed_rows(db, left):
+        if row[2] == _PENDING:  # a claim re-run (firing) logged no start here
+            per_key[row[1]] = per_key.get(row[1], 0) + 1
+    keys = _lock_keys(db, {name: None for name in per_key})
+    for name, key in keys.items():
+        for _ in range(per_key[name] if key.rate is not None else 0):
+            if now_ms in key.log:  # the last start logged at now_ms: admit's, for this one
+                del key.log[len(key.log) - 1 - key.log[::-1].index(now_ms)]
+                key.logged = True
+    _save_logs(db, keys)
 
 
 def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -> list[Woken]:

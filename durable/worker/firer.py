@@ -289,7 +289,8 @@ class Firer:
             if stale:
                 raise _Fenced(stale)
             shift = self.conf.BUCKET_SHIFT  # over their key's limit: parked (not in due)
-            due = admission.admit(self.db, due, counted, self.lookup, now_ms, shift)
+            admitted = admission.Admitted()
+            due = admission.admit(self.db, due, counted, self.lookup, now_ms, shift, admitted)
             # Fast path: broker publishes (Celery timers) are held and sent in one flush
             # before the commit, and kinds do their batch-wide work once (cron locks all
             # its schedule rows in one read); the careful redo goes one timer at a time,
@@ -323,7 +324,7 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
-            self.recorder.record(runners, outcomes, batch, counted.ids)
+            self.recorder.record(runners, outcomes, batch, counted.ids, admitted)
         return outcomes, announced
 
     def _run_one(

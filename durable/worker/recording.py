@@ -21,6 +21,7 @@ from durable.exceptions import AttemptsExhausted
 from durable.storage import claims, concurrency
 from durable.storage import firing as store
 from durable.storage.notify import Announced
+from durable.worker.admission import Admitted
 from durable.worker.batches import BatchOutcome
 from durable.worker.external import ExternalRunner
 from durable.worker.outcomes import Outcomes, Readd, json_value
@@ -65,11 +66,14 @@ class BatchRecorder:
         outcomes: dict[int, BatchOutcome],
         batch: kinds.FiringBatch,
         counted: set[int],
+        admitted: Admitted,
     ) -> None:
         """In the batch transaction: mark the fired fired, schedule follow-ups, retry or
-        dead-letter the failed, give back the attempts of the timers left for later, and
-        claim the external ones."""
+        dead-letter the failed, give back the attempts of the timers left for later
+        (those a key admitted keep their place in its line), and claim the external ones."""
         now_ms = batch.now_ms
+        left = {t.id for out in outcomes.values() for t in out.leftover + out.waiting}
+        admitted.settle(self.db, left, now_ms)  # before any release below counts the line
         fired = [pair for out in outcomes.values() for pair in out.fired]
         results = {
             t.id: json_value(v, self.conf.MAX_RESULT_BYTES) for t, v in fired if t.on_complete

@@ -15,8 +15,10 @@ from django.db import transaction
 from django.db.models import Min
 
 import durable
+from durable.core.ratelimit import parse_rate
 from durable.core.sharding import shard_for
 from durable.dispatch.concurrency import ConcurrencyKeyError
+from durable.limits import ConcurrencyKey
 from durable.models import Timer
 from durable.storage import concurrency
 from durable.storage.concurrency import PARKED_MS
@@ -224,3 +226,50 @@ def test_a_failed_attempt_frees_its_slot_for_the_next_in_line(engine, clock):
     assert row(second).fire_at_ms == clock.now_ms(), "the failure woke the next in line"
     assert ticked_until(engine, lambda: row(second).state == "fired")
     assert row(first).queued_ms is None, "a retry is a new arrival"
+
+
+def test_a_timer_admitted_but_left_for_a_free_thread_keeps_its_place(start_engine, clock):
+    """One thread for a key of two: the second admitted each turn waits for the thread,
+    and must keep its place in line (and its slot) until it starts, not come back as a
+    new arrival behind timers that came due after it."""
+    support.STARTED.clear()
+    support.GATES.clear()
+    engine = start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}, threads=1)
+    base = clock.now_ms()
+    timers = {
+        n: durable.schedule(support.gated, args=["acme", n], at=at(base + 100 * n))
+        for n in (3, 1, 5, 2, 4)
+    }
+    try:
+        clock.advance(1_000)
+        engine.tick()
+        assert started(1) == [1]
+        left = row(timers[2])
+        assert (left.state, left.queued_ms) == ("pending", base + 200), "2 holds its place"
+        assert row(timers[3]).fire_at_ms == PARKED_MS, "2 holds the key's second slot"
+        for n in (1, 2, 3, 4):
+            finish(timers[n])
+            assert ticked_until(engine, lambda n=n: n + 1 in support.STARTED)
+            assert started(n + 1) == list(range(1, n + 2)), "arrival order"
+        finish(timers[5])
+        assert [row(timers[n]).state for n in range(1, 6)] == ["fired"] * 5
+        assert Timer.objects.filter(queued_ms__isnull=False).count() == 0, "all left the line"
+    finally:
+        for gate in support.GATES.values():
+            gate.set()
+
+
+def test_a_rate_does_not_count_a_start_the_batch_left_for_later(clock):
+    """A timer admitted under a rate and left for later (budget spent, no free thread)
+    takes back the start its admission logged, and holds its place in line: at its next
+    batch the window still has room for it."""
+    keyed = durable.schedule(support.rated, args=["k", 1])
+    Timer.objects.filter(pk=keyed.pk).update(attempts=1)  # as the batch would have counted
+    now, limits = clock.now_ms(), {keyed.pk: (None, parse_rate("1/m"))}
+    with transaction.atomic():
+        assert concurrency.admit("default", limits, now, 16) == set()
+        concurrency.settle("default", [], [keyed.pk], now)
+    assert ConcurrencyKey.objects.get(name=keyed.concurrency_key).recent == []
+    assert row(keyed).queued_ms == keyed.fire_at_ms, "it takes its place in line"
+    with transaction.atomic():
+        assert concurrency.admit("default", limits, now + 10, 16) == set(), "not deferred"
