@@ -58,7 +58,9 @@ class History:
     holds: list[dict[str, Any]] = field(default_factory=list)
     """Holds of a worker's loop by an atomic handler that ran to its timeout, read from
     the worker logs (:func:`chaos.lateness.holds_from_logs`): ``poison_hang`` faults with
-    their ``timer_id``. A hanging poison with none is estimated from its row instead."""
+    their ``timer_id``. A hanging poison with none is estimated from its row instead.
+    Also the spans in which hanging external handlers held all of a worker's handler
+    threads (:func:`chaos.lateness.thread_holds_from_logs`): ``threads_held`` faults."""
     retries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """Timer id → ``(failed, retry due)`` of its failed attempts, from the worker logs
     (:func:`chaos.lateness.retries_from_logs`): a retry's lateness counts from its due."""
@@ -353,7 +355,7 @@ def _lateness(history: History, idx: _Index, v: Verdict) -> None:
     bounds = history.bounds
     faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
     faults += history.holds
-    logged = {hold["timer_id"] for hold in history.holds}
+    logged = {hold["timer_id"] for hold in history.holds if "timer_id" in hold}
     for op in idx.by_kind["poison"]:
         timer = idx.timer_by_id.get(op.get("timer_id"))
         if timer and timer["id"] in logged:

@@ -18,6 +18,13 @@ TIMED_OUT = re.compile(
 )
 
 
+#: A worker's log line for an external attempt abandoned past its timeout
+#: (durable.worker.external.ExternalRunner.reap); logged when the loop abandoned it.
+ABANDONED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ timer\.timeout timer=(\d+) "
+    r"target=(\S+) attempt=(\d+) timeout_s=([\d.]+)"
+)
+
 #: A worker's log line for an attempt that failed (any error): the timer is retried later.
 FAILED = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ timer\.error timer=(\d+) "
@@ -39,6 +46,7 @@ class Bounds:
     rescan_s: float = 2.0
     batch_budget_s: float = 2.0
     atomic_timeout_s: float = 5.0
+    handler_threads: int = 4
 
     @property
     def healthy_ms(self) -> int:
@@ -68,6 +76,11 @@ class Bounds:
             # no quorum falls back to the lease rules, whose bound is a kill's.
             return int(span + ttl + 2000)
         if kind == "poison_hang":  # it held its worker's loop from start to end
+            return int(span + 2000)
+        if kind == "threads_held":
+            # Every handler thread held by a hanging external handler: the worker parks
+            # its due external timers until one is abandoned (docs/how-to/run-the-worker.md),
+            # then runs them in that turn; the loop sleeps at most 1 s on a full pool.
             return int(span + 2000)
         return self.healthy_ms
 
@@ -135,6 +148,45 @@ def holds_from_logs(lines: Iterable[str], worker: str, atomic: set[str]) -> list
             }
         )
     return holds
+
+
+def thread_holds_from_logs(lines: Iterable[str], worker: str, threads: int) -> list[dict[str, Any]]:
+    """Each time all ``threads`` handler threads of a worker were held by external handlers
+    that ran to their timeout, from its log: a ``threads_held`` fault for that span.
+
+    An external handler runs on a handler thread, not the loop; one that hangs holds its
+    thread until :meth:`durable.worker.external.ExternalRunner.reap` abandons it. The
+    worker claims no more external timers than it has free threads and parks the rest
+    (documented), so while every thread hangs its due external timers wait, by design
+    (seed 20261203: four hanging external poisons held all four of w2's threads). Each
+    hang counts from its ``timer.timeout`` line back by its timeout: the line comes when
+    the loop abandoned it, at or after its deadline, so the span is never longer than the
+    hold was (a shorter saturation, a stricter bound).
+    """
+    edges: list[tuple[int, int]] = []  # (ms, +1 a hang starts / -1 it ends)
+    for line in lines:
+        match = ABANDONED.match(line)
+        if not match:
+            continue
+        stamp, millis, _timer_id, _target, _attempt, timeout_s = match.groups()
+        end = _log_ms(stamp, millis)
+        edges += [(end - int(float(timeout_s) * 1000), 1), (end, -1)]
+    held: list[dict[str, Any]] = []
+    busy, since = 0, 0
+    for at, step in sorted(edges):  # at a tie an end (-1) comes first: no false overlap
+        busy += step
+        if step > 0 and busy == threads:
+            since = at
+        elif step < 0 and busy == threads - 1:
+            held.append(
+                {
+                    "kind": "threads_held",
+                    "start_ms": since,
+                    "end_ms": at,
+                    "target": f"{worker}: all {threads} handler threads hang",
+                }
+            )
+    return held
 
 
 def _log_ms(stamp: str, millis: str) -> int:

@@ -290,9 +290,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def loop_holds(out: Path) -> list[dict[str, Any]]:
-    """Every hold of a worker's loop by an atomic handler past its timeout, from the logs."""
+    """Every hold of a worker's loop by an atomic handler past its timeout, and every span
+    in which hanging external handlers held all of a worker's handler threads, from the
+    logs."""
     import testproject.demo.chaos  # noqa: F401  (the workers' DURABLE_IMPORTS)
-    from chaos.lateness import holds_from_logs
+    from chaos.lateness import Bounds, holds_from_logs, thread_holds_from_logs
     from durable.conf import get_settings
     from durable.discovery import discover
     from durable.dispatch.registry import handlers
@@ -304,6 +306,8 @@ def loop_holds(out: Path) -> list[dict[str, Any]]:
         worker = path.stem.removeprefix("worker-")
         with path.open(errors="replace") as lines:
             holds += holds_from_logs(lines, worker, atomic)
+        with path.open(errors="replace") as lines:  # the workers run the default --threads
+            holds += thread_holds_from_logs(lines, worker, Bounds().handler_threads)
     return holds
 
 

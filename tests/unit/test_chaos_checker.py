@@ -354,3 +354,45 @@ def test_a_retry_after_a_failed_attempt_is_late_only_from_its_own_due_time():
     early = fired_at(21_000)  # retried before its longest backoff: not late at all
     early.retries = retries
     assert check(early).lateness["none"] < 1000, "the other fires' 200 ms is the worst"
+
+
+def test_hanging_external_handlers_that_hold_every_handler_thread_excuse_the_wait():
+    # Seed 20261203: four hanging external poisons held all four of w2's handler threads
+    # (2 s, twice each: their retries hung again); the worker parks its due external
+    # timers until a thread is free (docs/how-to/run-the-worker.md), so an external
+    # timer due meanwhile waited 4 s and more, by design.
+    import time as _time
+
+    from chaos.lateness import thread_holds_from_logs
+
+    def line(at_ms: int, timer_id: int, attempt: int) -> str:
+        stamp = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(at_ms // 1000))
+        return (
+            f"{stamp},{at_ms % 1000:03d} ERROR durable.worker timer.timeout timer={timer_id} "
+            f"target=testproject.demo.poison.external_poison attempt={attempt} timeout_s=2.0\n"
+        )
+
+    base = 1_800_000_000_000
+    # Each hang's line comes when the loop abandoned it, 2 s after it began (or later).
+    # Four rounds of four hangs 2.15 s apart (a round's retries begin as the last ends).
+    rounds = [2_150 * r for r in range(4)]
+    ends = [(o + at, r + 1) for r, o in enumerate(rounds) for at in (2_000, 2_100, 2_200, 2_300)]
+    log = ["noise\n"] + [line(base + at, 40 + i % 4, n) for i, (at, n) in enumerate(ends)]
+    log.append(line(base + 12_000, 50, 1))  # one alone later: three threads stay free
+    held = thread_holds_from_logs(log, "w2", threads=4)
+    assert [(h["start_ms"] - base, h["end_ms"] - base) for h in held] == [
+        (o + 300, o + 2_000) for o in rounds
+    ], "only while all four threads hang"
+    assert thread_holds_from_logs(log, "w2", threads=5) == [], "a thread was always free"
+
+    def change(h: History) -> None:  # t2 (external) due at 500, fired 1.55 s after the holds
+        h.ops[1]["due_ms"] = base + 500
+        h.ledger[1] = ("t2", base + 10_000, base + 500)
+        h.ledger[2] = ("t2", base + 10_100, base + 500)
+
+    assert "lateness_within_bound" in flagged(broken(change)), "with no hold, it is late"
+    excused = broken(change)
+    excused.holds = held
+    verdict = check(excused)
+    assert verdict.ok, verdict.violations
+    assert verdict.lateness["threads_held"] == 1_550, "from the end of the last hold"
