@@ -14,6 +14,7 @@ from django.db.models import Q
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
 from durable.fields import clock_stamp as _stamp
+from durable.indexes import lookup_indexes
 
 # In a module of its own (this one stays under the size limit); re-exported here.
 from durable.limits import ConcurrencyKey as ConcurrencyKey
@@ -110,10 +111,7 @@ class Timer(models.Model):
                 name="durable_timer_done_idx",
                 condition=Q(state__in=["fired", "canceled"]),
             ),
-            models.Index(
-                fields=["state", "fire_at_ms"],
-                name="durable_timer_state_idx",
-            ),
+            *lookup_indexes(),  # states but fired by fire time; key prefixes
         ]
 
     def __str__(self) -> str:
