@@ -25,8 +25,8 @@ def lookup_indexes() -> list[models.Index]:
     - ``durable_timer_key_prefix_idx``: ``LIKE 'prefix%'`` on keys (the admin's key
       search, retention of a run's wake-ups ``wf:<run id>:``) on PostgreSQL, where the
       unique index's collation order cannot serve ``LIKE``. It replaces the
-      ``varchar_pattern_ops`` twin Django makes beside a unique ``CharField``, which held
-      an entry for every row version, keyless or not (migration 0016).
+      ``varchar_pattern_ops`` twin Django made beside the unique ``CharField`` the key
+      was, which held an entry for every row version, keyless or not (migration 0016).
     """
     return [
         models.Index(
@@ -41,3 +41,15 @@ def lookup_indexes() -> list[models.Index]:
             condition=Q(key__isnull=False),
         ),
     ]
+
+
+def unique_key() -> models.UniqueConstraint:
+    """``Timer.key`` is unique where set: a unique index of the rows that have a key.
+
+    The same guarantee as a unique column (NULL keys never conflicted), without an
+    entry per keyless row version: a column's ``UNIQUE`` indexes NULLs too, and most
+    timers have no key (migration 0017).
+    """
+    return models.UniqueConstraint(
+        fields=["key"], name="durable_timer_key_uniq", condition=Q(key__isnull=False)
+    )

@@ -2,16 +2,16 @@
 
 Marking a timer fired is the one write every fire makes and is never a HOT update, so
 each index its new version enters costs every fire an index insert and its WAL. A keyless
-fired row must enter only the primary key, the key's unique index (it indexes NULLs too)
-and the done index that retention reads; the readers of other states and of key prefixes
-have partial indexes that leave it out. Evaluated from the catalog: an index without a
+fired row must enter only the primary key and the done index that retention reads; the
+readers of other states and of key prefixes, and the key's uniqueness, have partial
+indexes that leave it out. Evaluated from the catalog: an index without a
 predicate holds every row version; a partial one, those its predicate matches.
 """
 
 from __future__ import annotations
 
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 
 from durable.models import Timer, TimerState
 
@@ -39,10 +39,10 @@ def timer(state: str, key: str | None = None) -> int:
     return row.pk
 
 
-ALWAYS = {"durable_timer_pkey", "durable_timer_key_key"}
+ALWAYS = {"durable_timer_pkey"}
 
 
-def test_a_fired_keyless_row_enters_only_the_primary_key_the_key_and_the_done_index():
+def test_a_fired_keyless_row_enters_only_the_primary_key_and_the_done_index():
     assert indexes_holding(timer(TimerState.FIRED)) == ALWAYS | {"durable_timer_done_idx"}
 
 
@@ -55,5 +55,14 @@ def test_a_pending_row_enters_the_loader_and_the_readers_by_state():
 
 def test_dead_letters_and_keyed_rows_keep_their_readers_indexes():
     assert "durable_timer_unfired_idx" in indexes_holding(timer(TimerState.FAILED))
-    assert "durable_timer_key_prefix_idx" in indexes_holding(timer(TimerState.FIRED, key="k:1"))
+    keyed = indexes_holding(timer(TimerState.FIRED, key="k:1"))
+    assert {"durable_timer_key_prefix_idx", "durable_timer_key_uniq"} <= keyed
     assert "durable_timer_key_prefix_idx" not in indexes_holding(timer(TimerState.FIRED))
+
+
+def test_a_key_is_still_unique_and_keyless_rows_never_conflict():
+    timer(TimerState.PENDING, key="once")
+    timer(TimerState.PENDING)
+    timer(TimerState.PENDING)  # NULL keys: no conflict
+    with pytest.raises(IntegrityError), transaction.atomic():
+        timer(TimerState.FIRED, key="once")
