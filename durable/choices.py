@@ -20,6 +20,10 @@ class TimerState(models.TextChoices):
     CANCELED = "canceled", "canceled"
 
 
+#: Every ``TimerState`` but fired: the rows ``durable_timer_unfired_idx`` holds.
+UNFIRED_STATES = [TimerState.PENDING, TimerState.FIRING, TimerState.FAILED, TimerState.CANCELED]
+
+
 class TimerKind(models.TextChoices):
     """What firing a timer does."""
 

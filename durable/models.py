@@ -14,6 +14,7 @@ from django.db.models import Q
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
 from durable.fields import clock_stamp as _stamp
+from durable.indexes import lookup_indexes, unique_key
 
 # In a module of its own (this one stays under the size limit); re-exported here.
 from durable.limits import ConcurrencyKey as ConcurrencyKey
@@ -53,9 +54,8 @@ class Timer(models.Model):
     target = models.CharField(max_length=255, help_text="handler dotted name or task name")
     args = models.JSONField(default=list, blank=True)
     kwargs = models.JSONField(default=dict, blank=True)
-    key = models.CharField(
-        max_length=255, null=True, blank=True, unique=True, help_text="idempotency key"
-    )
+    # NULL, not "", for no key: unique where set (``durable.indexes.unique_key``).
+    key = models.CharField(max_length=255, null=True, blank=True, help_text="idempotency key")  # noqa: DJ001
     attempts = models.PositiveIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=5)
     backoff_base_s = models.FloatField(default=1.0)
@@ -110,11 +110,9 @@ class Timer(models.Model):
                 name="durable_timer_done_idx",
                 condition=Q(state__in=["fired", "canceled"]),
             ),
-            models.Index(
-                fields=["state", "fire_at_ms"],
-                name="durable_timer_state_idx",
-            ),
+            *lookup_indexes(),  # states but fired by fire time; key prefixes
         ]
+        constraints = [unique_key()]
 
     def __str__(self) -> str:
         return f"Timer {self.pk} {self.target} @ {self.fire_at_ms} ({self.state})"

@@ -2,17 +2,20 @@
 
 Every filter and search here is served by an index of ``durable_timer``:
 
-- *state* by ``durable_timer_state_idx`` (state, fire_at_ms);
-- *due* (overdue, next hour...) by the same index: pending rows in a fire-time range;
-- search by id (primary key), by key or key prefix (the key's unique index, and on
-  PostgreSQL its ``varchar_pattern_ops`` twin that serves ``LIKE 'prefix%'``): cron
-  occurrences are ``cron:<schedule>:``, a run's wake-ups ``wf:<run id>:``;
+- *state* by ``durable_timer_unfired_idx`` (state, fire_at_ms) for every state but
+  fired; fired rows, most of the table and left out of that index (each entry there
+  would cost every fire a write), by ``durable_timer_done_idx``: latest finished first;
+- *due* (overdue, next hour...) by the unfired index: pending rows in a fire-time range;
+- search by id (primary key), by key (the key's unique index) or key prefix (on
+  PostgreSQL ``durable_timer_key_prefix_idx``, ``varchar_pattern_ops``, which serves
+  ``LIKE 'prefix%'``): cron occurrences are ``cron:<schedule>:``, a run's wake-ups
+  ``wf:<run id>:``;
 - ``target:<dotted.name>`` has no index of its own, so it looks only at the newest
   :data:`TARGET_SEARCH_ROWS` timers (a bounded walk of the primary key).
 
-Sorting is by id, or by fire time once the list is narrowed to a state (the state
-index then yields rows in fire-time order). Lists default to the newest first, and
-to the soonest due with the *due* filter.
+Sorting is by id, or by fire time once the list is narrowed to a state but fired (the
+unfired index then yields rows in fire-time order). Lists default to the newest first,
+to the soonest due with the *due* filter, and to the latest finished with *fired*.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from django.utils.translation import ngettext
 import durable
 from durable.admin import base
 from durable.admin.forms import RescheduleForm
+from durable.choices import UNFIRED_STATES
 from durable.core.clock import current_clock
 from durable.exceptions import DurableError
 from durable.models import Timer, TimerKind, TimerState
@@ -55,7 +59,7 @@ def is_number(term: str) -> bool:
 
 
 class DueFilter(admin.SimpleListFilter):
-    """Pending timers by when they are due: a range scan of the state index."""
+    """Pending timers by when they are due: a range scan of ``durable_timer_unfired_idx``."""
 
     title = "due (pending)"
     parameter_name = "due"
@@ -132,12 +136,17 @@ class TimerAdmin(base.ObjectActions, base.ReadOnlyRows, base.BigTable, admin.Mod
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
         # Due timers soonest first. Also the only fast order for them: overdue timers
         # tend to have old ids, so walking the primary key from the newest would pass
-        # most of the table before finding a page of them.
-        return ("fire_at_ms",) if request.GET.get("due") else ("-id",)
+        # most of the table before finding a page of them. Fired timers (old ids too,
+        # under the pending ones) latest finished first, from the done index.
+        if request.GET.get("due"):
+            return ("fire_at_ms",)
+        if request.GET.get("state__exact") == TimerState.FIRED:
+            return ("-updated_at",)
+        return ("-id",)
 
     def get_sortable_by(self, request: HttpRequest) -> tuple[str, ...]:
-        # Fire-time order needs the state index, i.e. a state (or due) filter.
-        if request.GET.get("state__exact") or request.GET.get("due"):
+        # Fire-time order needs the unfired index: a due filter or a state but fired.
+        if request.GET.get("state__exact") in UNFIRED_STATES or request.GET.get("due"):
             return ("id", "fire_at")
         return ("id",)
 

@@ -35,7 +35,7 @@ class Attention:
 def failed_timers(db: str, limit: int = 10) -> Attention:
     """Dead-lettered timers: a capped count and the ``limit`` latest due.
 
-    Both are served by ``durable_timer_state_idx`` (state, fire_at_ms); ordering by
+    Both are served by ``durable_timer_unfired_idx`` (state, fire_at_ms); ordering by
     when they failed instead would sort every failed row.
     """
     rows = Timer.objects.using(db).filter(state=TimerState.FAILED)

@@ -52,8 +52,9 @@ def cutoff_ms(now_ms: int, days: float) -> int:
 def prune_failed_timers(db: str, older_than_ms: int, batch: int = 1000) -> int:
     """Delete up to ``batch`` failed (dead-lettered) timers that failed before ``older_than_ms``.
 
-    Failed rows are few (dead letters), so the state index serves this without an index
-    of its own. Their children keep their rows (``parent`` is cleared by SET_NULL).
+    Failed rows are few (dead letters), so ``durable_timer_unfired_idx`` serves this
+    without an index of its own. Their children keep their rows (``parent`` is cleared by
+    SET_NULL).
     """
     rows = Timer.objects.using(db).filter(
         state=TimerState.FAILED, updated_at__lt=ms_to_dt(older_than_ms)
