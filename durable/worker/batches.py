@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,22 @@ def pack(work: Work, size: int) -> list[Work]:
     if current:
         batches.append(current)
     return batches
+
+
+def in_turn_order(runners: Iterable[ShardRunner], first_shard: int) -> list[ShardRunner]:
+    """The runners by shard number, starting at ``first_shard`` and wrapping around.
+
+    A turn whose budget ran out makes the next one start after the last shard it fired
+    in: always starting at shard 0 would let the low shards' backlog starve the others.
+    """
+    return sorted(runners, key=lambda r: (r.shard < first_shard, r.shard))
+
+
+def put_back(rest: list[Work], now_ms: int) -> None:
+    """Give the ids of batches a turn did not fire back to their runners' wheels."""
+    for batch in rest:
+        for runner, ids in batch:
+            runner.put_back(ids, now_ms)
 
 
 def fire_context(

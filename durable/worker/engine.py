@@ -43,7 +43,7 @@ from durable.scheduling.cron import sync_declared
 from durable.storage import leases as lease_store
 from durable.storage import statements, timeline
 from durable.worker import housekeeping, raftlink
-from durable.worker.batches import BatchOutcome, pack
+from durable.worker.batches import BatchOutcome, in_turn_order, pack, put_back
 from durable.worker.chores import Chores
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
@@ -58,6 +58,11 @@ log = logging.getLogger("durable.worker")
 
 MAX_SLEEP_S = 1.0
 RAFT_WAKE_S = 0.1
+TURN_BUDGET_MS = 500
+"""Most time one turn spends firing (after its first batch): the rest of a backlog goes
+back to the wheels for the next turns. Lease and Raft changes, warm takeovers' rebuilds
+and the timers newly due wait for a turn's end: a turn that fired a whole backlog of
+tens of thousands ran for a minute after a Raft takeover (issue 17's rolling restart)."""
 
 
 @dataclass(slots=True)
@@ -145,6 +150,7 @@ class Engine(Ownership):
         self._next_renew_ms = 0
         self._next_rebalance_ms = 0
         self._started = False
+        self._first_shard = 0  # where the next turn starts firing (see in_turn_order)
         self._loop_thread = threading.get_ident()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -284,16 +290,22 @@ class Engine(Ownership):
 
     def _fire_due(self) -> int:
         now = self.clock.now_ms()
-        work = [(runner, runner.due(now)) for runner in list(self.runners.values())]
+        order = in_turn_order(self.runners.values(), self._first_shard)
+        work = [(runner, runner.due(now)) for runner in order]
         behind: set[int] = set()  # shards with due timers left for the next turn
         fired = 0
         batches = pack(work, self.conf.BATCH_SIZE)
         for index, batch in enumerate(batches):
-            if self.stop_event.is_set():
+            stopping = self.stop_event.is_set()
+            if stopping or (index and self.clock.now_ms() - now >= TURN_BUDGET_MS):
                 # Stopping (SIGTERM): no new batch, or a backlog of many would hold the
                 # exit back. The rest stays pending for the shards' next owners, and
-                # their cursors stay before it (they catch it up as a backlog).
+                # their cursors stay before it (they catch it up as a backlog). Budget
+                # spent: the rest goes back to the wheels, due first in the next turn.
                 behind.update(runner.shard for later in batches[index:] for runner, _ in later)
+                if not stopping:
+                    put_back(batches[index:], now)
+                    self._first_shard = batches[index - 1][-1][0].shard + 1
                 break
             # A long turn must not let leases lapse: renew between batches.
             self._renew_if_due()

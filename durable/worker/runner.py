@@ -165,6 +165,17 @@ class ShardRunner:
             self.journal.update(dict.fromkeys(due))
         return due
 
+    def put_back(self, ids: Iterable[int], now_ms: int) -> None:
+        """Return ids that :meth:`due` gave out and this turn did not fire (its budget
+        was spent): due at ``now_ms``, they come out first in the next turn. Their row
+        is re-read when they fire, so the time put here only orders them."""
+        journal = self.journal
+        for timer_id in ids:
+            if timer_id not in self.wheel:
+                self.wheel.insert(timer_id, now_ms)
+                if journal is not None:
+                    journal[timer_id] = now_ms  # still pending: not out of the horizon
+
     def take_journal(self, now_ms: int) -> dict[int, int | None]:
         """What changed since the last call (id -> fire time entered, None left), with the
         timers that came within :data:`REPLICATE_AHEAD_MS` meanwhile; the dict is the
