@@ -9,7 +9,7 @@
    every shard.
 3. Runs the load generator (:mod:`chaos.load`) for ``--minutes`` while the nemesis
    (:mod:`chaos.nemesis`) strikes at seeded random times.
-4. Heals everything, drains (waits until nothing due is left, up to ``--drain-s``),
+4. Heals everything, drains (waits until the load's work is all done, up to ``--drain-s``),
    stops the workers, and gives the history and the tables to the checker.
 5. Prints the table; on any violation, the seed, the fault schedule and the ids, and
    exits 1. Everything (history, faults, worker logs, verdict) stays in ``--out``.
@@ -257,22 +257,34 @@ def wait_for_shards(pool: Any, names: list[str], timeout_s: float = 90.0) -> Non
     )
 
 
-def drain(pool: Any, nemesis: Any, timeout_s: float) -> float:
-    """Wait until nothing due is left; return the seconds it took, or -1 on timeout."""
+def settled() -> bool:
+    """True when the load's work is all done: no timer pending or firing but the
+    schedules' next occurrences, and no workflow run unfinished.
+
+    Every timer the load commits is due within seconds (and a retry's backoff adds
+    seconds more), and the checker holds each one to having fired: a timer that is
+    merely not due yet is not settled. (Waiting only for timers already due let the
+    workers stop before a timer committed in the load's last seconds came due, and the
+    checker then reported it lost: seed 20261203.) Cron occurrence timers are always
+    pending, one per schedule, and the checker judges occurrences by their runs.
+    """
     from django.db import DatabaseError, connection
 
-    from durable.models import Timer, WorkflowRun
+    from durable.models import Timer, TimerKind, WorkflowRun
 
-    def settled() -> bool:
-        try:
-            due = Timer.objects.filter(state="pending", fire_at_ms__lte=wall_ms()).exists()
-            busy = Timer.objects.filter(state="firing").exists()
-            runs = WorkflowRun.objects.filter(state__in=["pending", "running", "sleeping"])
-            return not (due or busy or runs.exists())
-        except DatabaseError:  # our session did not survive a PostgreSQL restart
-            connection.close()
-            return False
+    try:
+        waiting = Timer.objects.filter(state="pending").exclude(kind=TimerKind.CRON).exists()
+        busy = Timer.objects.filter(state="firing").exists()
+        runs = WorkflowRun.objects.filter(state__in=["pending", "running", "sleeping"])
+        return not (waiting or busy or runs.exists())
+    except DatabaseError:  # our session did not survive a PostgreSQL restart
+        connection.close()
+        return False
 
+
+def drain(pool: Any, nemesis: Any, timeout_s: float) -> float:
+    """Wait until the load's work is all done (:func:`settled`); return the seconds it
+    took, or -1 on timeout."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         nemesis.watch_crashes()
