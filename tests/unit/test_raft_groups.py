@@ -126,10 +126,17 @@ def test_wrong_password_is_refused_and_logged(caplog):
 
 
 def test_a_port_in_use_is_named():
-    addrs = addresses()
-    host, port = addrs[0].rsplit(":", 1)
-    blocker = socket.socket()
-    blocker.bind((host, int(port) + 1))  # shard 1's port
+    for _ in range(20):  # a port another process took meanwhile: try other ports
+        addrs = addresses()
+        host, port = addrs[0].rsplit(":", 1)
+        blocker = socket.socket()
+        try:
+            blocker.bind((host, int(port) + 1))  # shard 1's port
+            break
+        except OSError:
+            blocker.close()
+    else:
+        pytest.fail("no free port pair for the test")
     blocker.listen()
     try:
         config = parse({"SELF": addrs[0], "PEERS": addrs[1:], "PASSWORD": "pw"}, SHARDS)
