@@ -89,8 +89,9 @@ def records(prefix: str) -> Counter[str]:
 
 def cancel_all(items: list[tuple[str, object, str]], start_ms: int, threads: int) -> dict:
     """Cancel ``items`` (kind, timer id or run id, key) from ``threads`` threads, each in
-    its own shuffled order, starting at ``start_ms``; return key → (result, call ms)."""
-    results: dict[str, tuple[bool, int]] = {}
+    its own shuffled order, starting at ``start_ms``; return key → (result, call ms,
+    wall-clock ms after it returned)."""
+    results: dict[str, tuple[bool, int, int]] = {}
     shuffled = random.Random(19).sample(items, len(items))
 
     def worker(part: list[tuple[str, object, str]]) -> None:
@@ -102,7 +103,7 @@ def cancel_all(items: list[tuple[str, object, str]], start_ms: int, threads: int
                     done = durable.cancel(target)
                 else:
                     done = durable.cancel_workflow(target)
-                results[key] = (done, int((time.monotonic() - began) * 1000))
+                results[key] = (done, int((time.monotonic() - began) * 1000), now_ms() + 1)
         finally:
             connections.close_all()
 
@@ -115,8 +116,9 @@ def cancel_all(items: list[tuple[str, object, str]], start_ms: int, threads: int
 
 
 def test_cancel_racing_the_fire_is_all_or_nothing(workers, record_property):
-    """Two workers; 800 timers (half atomic, half outside) and 200 runs' final checkpoints
-    due at one instant; four threads cancel all of them from 40 ms before it on."""
+    """Two workers; 800 timers (half atomic, half outside) and 200 runs whose last call,
+    a ``ctx.atomic`` step, follows a sleep, all due at one instant; four threads cancel
+    all of them from 40 ms before it on."""
     share_evenly(workers, "w1", "w2")
     due = now_ms() + 4_000
     runs = workflows.sleep_until_then_record.start_many(
@@ -157,32 +159,63 @@ def test_cancel_racing_the_fire_is_all_or_nothing(workers, record_property):
     state |= dict(
         WorkflowRun.objects.filter(pk__in=[r.pk for r in runs]).values_list("id", "state")
     )
+    recorded = Counter(
+        WorkflowStep.objects.filter(
+            run_id__in=[r.pk for r in runs], kind="atomic", status="done"
+        ).values_list("run_id", flat=True)
+    )
 
     def happened(kind: str, target: object, key: str) -> tuple[object, ...]:
-        """(row state, effect rows, on_complete statuses seen) of one item."""
+        """Timers: (row state, effect rows, on_complete statuses seen); runs: (row state,
+        effect rows, recorded atomic steps)."""
+        if kind == "run":
+            return (state[target], effects[key], recorded[target])
         statuses = {s: n for s in ("canceled", "success") if (n := outcomes[f"outcome:{key}:{s}"])}
-        return (state[target], effects[key], statuses if kind == "timer" else None)
+        return (state[target], effects[key], statuses)
 
-    def promised(kind: str, cancelled: bool) -> tuple[object, ...]:
-        """What cancel()'s answer promises: True, nothing ran; False, it ran once."""
-        if cancelled:
-            return ("canceled", 0, {"canceled": 1} if kind == "timer" else None)
-        return ("fired", 1, {"success": 1}) if kind == "timer" else ("completed", 1, None)
+    def promised(kind: str, cancelled: bool) -> list[tuple[object, ...]]:
+        """What cancel()'s answer allows. A timer: True, nothing ran; False, it ran once.
+        A run: False, it completed with its row once. True, it is cancelled, and its
+        ``ctx.atomic`` row is there only with the step's record: the step may have
+        committed just before the cancel (its own checkpoint, before the run's end), and
+        the replay stopped at the next one."""
+        if kind == "timer":
+            return (
+                [("canceled", 0, {"canceled": 1})] if cancelled else [("fired", 1, {"success": 1})]
+            )
+        return [("canceled", 0, 0), ("canceled", 1, 1)] if cancelled else [("completed", 1, 1)]
 
     wrong = [
         (key, results[key][0], happened(kind, target, key))
         for kind, target, key in items
-        if happened(kind, target, key) != promised(kind, results[key][0])
+        if happened(kind, target, key) not in promised(kind, results[key][0])
     ]
     assert not wrong, (
-        f"{len(wrong)} disagree (key, cancel(), (state, effects, outcomes)): {wrong[:10]}"
+        f"{len(wrong)} disagree (key, cancel(), (state, effects, outcomes or steps)): {wrong[:10]}"
     )
     for kind in ("timer", "run"):
         said = Counter(results[key][0] for k, _, key in items if k == kind)
         metric(record_property, f"{kind}_cancel_true", said[True])
         metric(record_property, f"{kind}_cancel_false", said[False])
         assert said[True] and said[False], f"no race for {kind}s: {said}"
-    waited = sorted(ms for _, ms in results.values())
+    between = [
+        key
+        for kind, target, key in items
+        if kind == "run" and results[key][0] and happened(kind, target, key)[1] == 1
+    ]
+    metric(record_property, "run_cancelled_after_its_step", len(between))
+    # Those steps committed before the cancel did: each ended (its clock read before its
+    # commit) before the cancel returned (after its commit) on this machine's clock.
+    ended = {
+        run_id: int(started.timestamp() * 1000) + duration
+        for run_id, started, duration in WorkflowStep.objects.filter(
+            run_id__in=[t for k, t, key in items if key in between], kind="atomic"
+        ).values_list("run_id", "started_at", "duration_ms")
+    }
+    late = [(key, ended[t], results[key][2]) for k, t, key in items
+            if key in between and ended[t] > results[key][2]]  # fmt: skip
+    assert not late, f"a step committed after its run's cancel (key, step end, cancel end): {late}"
+    waited = sorted(ms for _, ms, _ in results.values())
     metric(record_property, "cancel_ms_p50", waited[len(waited) // 2])
     metric(record_property, "cancel_ms_max", waited[-1])
 

@@ -102,7 +102,8 @@ def at_ms(ms: int) -> datetime:
 @durable.workflow
 def sleep_until_then_record(ctx, key, wake_ms):
     """Sleep until ``wake_ms`` (all runs of a test wake at one instant), then record
-    ``key`` in the final checkpoint: the row commits with the run's end, or never."""
+    ``key`` in a ``ctx.atomic`` step: the row commits with the step's record, or never.
+    The run's end is a checkpoint of its own, after it."""
     ctx.sleep_until(at_ms(wake_ms))
     ctx.atomic(record, key)
     return key
