@@ -347,7 +347,11 @@ def _check_arguments(args: Any, kwargs: Any, max_bytes: int) -> tuple[list[Any],
     except PayloadError as exc:
         if "size" in exc.attrs:  # JSON, but too large: stays a ValueError
             raise
-        raise TaskPayloadError(str(exc), path=exc.attrs.get("path")) from None
+        # Django's own backends say "Unsupported type" (its tests match on it); ours also
+        # names the argument and the value.
+        raise TaskPayloadError(
+            f"Unsupported type or value: {exc}", path=exc.attrs.get("path")
+        ) from None
 
 
 # The worker side (the "task" kind's resolver and one attempt of a task) is
