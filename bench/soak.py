@@ -59,7 +59,7 @@ LEAD_MS = 1_500
 TICK_S = 0.1
 #: An interval's row is read this long after it ends: its batches have committed.
 SETTLE_S = 3.0
-#: The worker prunes once a minute (``durable.worker.chores.PRUNE_EVERY_MS``).
+#: The worker's pruning pass comes once a minute (``durable.worker.chores.PRUNE_EVERY_MS``).
 PRUNE_PERIOD_S = 60.0
 P99_TARGET_MS = 25.0
 

@@ -55,9 +55,9 @@ def prune_finished(db: str, older_than_ms: int, batch: int = 1000) -> int:
     One short transaction of three statements: the oldest ids (``durable_timer_done_idx``),
     the ``parent`` link of their children cleared (what ``on_delete=SET_NULL`` does;
     children keep their rows), and one ``DELETE`` by id. Not ``QuerySet.delete()``: for
-    ``SET_NULL`` Django loads every row whole and deletes in chunks of 100: 150-310 ms
-    per 1,000 rows against 55-100 ms this way, on a machine at load 11 (docs/benchmarks.md,
-    "Soak"), and pruning runs on the worker's loop. Fired and cancelled are
+    ``SET_NULL`` Django loads every row whole and deletes in chunks of 100: 150-360 ms
+    per 1,000 rows against 55-130 ms this way (``bench/prune_batch.py``, load 6-11;
+    docs/benchmarks.md, "Soak"), and pruning runs on the worker's loop. Fired and cancelled are
     final states, and the rows are locked when read, so they are still prunable when
     deleted.
     """
