@@ -9,6 +9,8 @@ the SQLite demo, the test suites and the docker-compose cluster:
   LISTEN (alias ``"listen"``, ``DURABLE["LISTEN_DATABASE"]``); preparing stays off.
 - ``DURABLE_SHARDS``, ``DURABLE_LEASE_TTL_S``, ``DURABLE_RESCAN_INTERVAL_S``,
   ``DURABLE_BATCH_TIME_BUDGET_S``: worker tuning.
+- ``DURABLE_RETENTION_DAYS``: fired and cancelled timers' retention (the soak bench
+  shortens it so that pruning runs throughout).
 - ``DURABLE_RAFT``: ``DURABLE["RAFT"]`` as JSON (unset: Raft off).
 - ``DURABLE_IMPORTS``: comma-separated modules the worker imports at start-up (handlers
   outside the apps' conventional modules).
@@ -111,6 +113,7 @@ DURABLE = {
     "ASYNC_COMMIT": env.bool("DURABLE_ASYNC_COMMIT", default=False),
     "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None,
     "SHUTDOWN_GRACE_S": env.float("DURABLE_SHUTDOWN_GRACE_S", default=30.0),
+    "RETENTION_DAYS": env.float("DURABLE_RETENTION_DAYS", default=7.0),
     # Handler modules the worker imports besides each app's handlers/workflows/crons/tasks
     # (the demo's load generators), plus DURABLE_IMPORTS: the acceptance tests' workers
     # fire handlers kept under tests/, which is not an app.

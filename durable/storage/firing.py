@@ -371,22 +371,6 @@ def still_claimed(db: str, timer_id: int, attempts: int) -> bool:
     )
 
 
-def prune_finished(db: str, older_than_ms: int, batch: int = 1000) -> int:
-    """Delete up to ``batch`` fired/cancelled rows last updated before ``older_than_ms``."""
-    cutoff = ms_to_dt(older_than_ms)
-    ids = list(
-        Timer.objects.using(db)
-        .filter(state__in=[TimerState.FIRED, TimerState.CANCELED], updated_at__lt=cutoff)
-        .order_by("updated_at")
-        .values_list("id", flat=True)[:batch]
-    )
-    if not ids:
-        return 0
-    # Children keep their rows; their parent link is cleared by on_delete=SET_NULL.
-    deleted, _ = Timer.objects.using(db).filter(id__in=ids).delete()
-    return deleted
-
-
 def retention_cutoff_ms(now_ms: int, days: float) -> int:
     """The instant before which finished rows may be pruned."""
     return now_ms - int(timedelta(days=days).total_seconds() * 1000)

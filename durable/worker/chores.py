@@ -27,6 +27,10 @@ from durable.worker.runner import ShardRunner
 log = logging.getLogger("durable.worker")
 
 PRUNE_EVERY_MS = 60_000
+#: While fired timers come up for pruning faster than a pass a minute deletes them (the
+#: last batch was full), one more batch of ``housekeeping.TIMER_BATCH`` this often,
+#: between turns: up to 1,000 rows every 100 ms, the loop held for one batch at a time.
+PRUNE_CATCH_UP_MS = 100
 OFFSET_EVERY_MS = 60_000
 SAMPLE_EVERY_MS = 15_000
 SAMPLE_DB_EVERY_MS = 60_000
@@ -57,6 +61,8 @@ class Chores:
         self._next_sample_ms = 0
         self._next_db_sample_ms = 0
         self._next_prune_ms = 0
+        self._catch_up_ms: int | None = None  # the next catch-up batch; None: caught up
+        self._pruned_rows = 0  # fired timers deleted since the last log line
 
     def before_firing(self, now: int) -> None:
         """Measure the clock offset when due (the worker fires by database time)."""
@@ -73,12 +79,40 @@ class Chores:
         if now >= self._next_prune_ms:
             self._next_prune_ms = now + PRUNE_EVERY_MS
             self.prune(now)
+        elif self._catch_up_ms is not None and now >= self._catch_up_ms:
+            self.prune_more(now)
         if now >= self._next_sample_ms:
             self.sample(now)
 
     def prune(self, now: int) -> int:
-        """One pruning pass, on the calling thread; return the rows deleted."""
-        return housekeeping.prune(self.db, self.conf, now, self.node)
+        """One pruning pass, on the calling thread; return the rows deleted.
+
+        A full batch of fired timers in it starts the catch-up (:meth:`prune_more`).
+        """
+        self._log_pruned()  # a catch-up still going: what it deleted so far
+        timers = housekeeping.prune_timers(self.db, self.conf, now)
+        self._follow_up(now, timers)
+        return timers + housekeeping.prune(self.db, self.conf, now, self.node, timers=False)
+
+    def prune_more(self, now: int) -> int:
+        """One more batch of fired timers (catching up); return the rows deleted."""
+        deleted = housekeeping.prune_timers(self.db, self.conf, now)
+        self._follow_up(now, deleted)
+        return deleted
+
+    def _follow_up(self, now: int, deleted: int) -> None:
+        """Another batch soon if this one was full; else the catch-up is over."""
+        self._pruned_rows += deleted
+        if deleted >= housekeeping.TIMER_BATCH:
+            self._catch_up_ms = now + PRUNE_CATCH_UP_MS
+            return
+        self._catch_up_ms = None
+        self._log_pruned()
+
+    def _log_pruned(self) -> None:
+        if self._pruned_rows:
+            event(log, logging.INFO, "timers.pruned", rows=self._pruned_rows, node=self.node)
+        self._pruned_rows = 0
 
     def sample(self, now: int) -> None:
         """Refresh the gauges: wheel depth per shard and level, pending rows per shard."""

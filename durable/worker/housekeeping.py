@@ -44,22 +44,22 @@ def measure_offset(clock: Clock, db: str) -> None:
     clock.offset_ms = best[1]
 
 
-def prune(db: str, conf: DurableSettings, now_ms: int, node: str) -> int:
+#: Fired and cancelled timers deleted per batch, each batch its own short transaction.
+TIMER_BATCH = 1000
+
+
+def prune(db: str, conf: DurableSettings, now_ms: int, node: str, *, timers: bool = True) -> int:
     """Delete rows past their retention, in small batches; return how many were deleted.
 
-    Fired and cancelled timers after ``RETENTION_DAYS`` (at most 10,000 a call), failed
-    ones after ``FAILED_RETENTION_DAYS`` (at most 1,000), finished workflow runs with
-    their steps and signals after ``RUN_RETENTION_DAYS`` (at most 2,000 runs); ``None``
-    keeps that kind forever. Each batch is its own short transaction; the engine runs this
-    between turns, after the fires (``durable.worker.chores``).
+    Fired and cancelled timers after ``RETENTION_DAYS`` (one batch of ``TIMER_BATCH``:
+    when it comes back full the chores come back for more, a batch at a time, see
+    :func:`prune_timers`), failed ones after ``FAILED_RETENTION_DAYS`` (at most 1,000),
+    finished workflow runs with their steps and signals after ``RUN_RETENTION_DAYS`` (at
+    most 2,000 runs); ``None`` keeps that kind forever. Each batch is its own short
+    transaction; the engine runs this between turns, after the fires
+    (``durable.worker.chores``, which prunes the fired timers itself: ``timers=False``).
     """
-    cutoff = firing_store.retention_cutoff_ms(now_ms, conf.RETENTION_DAYS)
-    total = 0
-    for _ in range(10):
-        deleted = firing_store.prune_finished(db, cutoff)
-        total += deleted
-        if deleted < 1000:
-            break
+    total = prune_timers(db, conf, now_ms) if timers else 0
     if conf.FAILED_RETENTION_DAYS is not None:
         cutoff = retention.cutoff_ms(now_ms, conf.FAILED_RETENTION_DAYS)
         total += retention.prune_failed_timers(db, cutoff)
@@ -76,6 +76,17 @@ def prune(db: str, conf: DurableSettings, now_ms: int, node: str) -> int:
     if runs:
         event(log, logging.INFO, "runs.pruned", runs=runs, node=node)
     return total + runs
+
+
+def prune_timers(db: str, conf: DurableSettings, now_ms: int) -> int:
+    """One batch (``TIMER_BATCH``) of fired and cancelled timers past ``RETENTION_DAYS``.
+
+    A full batch means more may wait: the chores then repeat this between turns until a
+    batch comes back short, so pruning keeps up with the fire rate while the loop is
+    never held for more than one batch (10 batches in a row once held it for seconds).
+    """
+    cutoff = firing_store.retention_cutoff_ms(now_ms, conf.RETENTION_DAYS)
+    return retention.prune_finished(db, cutoff, batch=TIMER_BATCH)
 
 
 def guard_session(connection: Any, conf: DurableSettings) -> None:

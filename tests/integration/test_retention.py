@@ -110,6 +110,44 @@ def test_a_key_of_a_fired_timer_holds_for_the_retention(start_engine, clock):
     assert durable.schedule(h.record, args=["once"], key="once").pk != first.pk
 
 
+def test_a_pruned_timer_leaves_its_children_without_a_parent(clock):
+    parent, child, other = (durable.schedule(h.noop) for _ in range(3))
+    Timer.objects.filter(pk=child.pk).update(parent=parent.pk)
+    Timer.objects.filter(pk=parent.pk).update(state="fired", updated_at=ago(clock, 8))
+    assert prune(clock) == 1
+    assert set(Timer.objects.values_list("pk", "parent_id")) == {(child.pk, None), (other.pk, None)}
+
+
+def test_pruning_catches_up_a_batch_at_a_time_between_turns(start_engine, clock, caplog):
+    """A pass deletes one batch of fired timers; while batches come back full, the chores
+    delete one more every PRUNE_CATCH_UP_MS, then fall back to the pass once a minute."""
+    from durable.worker import chores, housekeeping
+
+    engine = start_engine({"SHARDS": 1})
+    durable.schedule_many({"fn": h.noop} for _ in range(2_500))
+    Timer.objects.update(state="fired", updated_at=ago(clock, 8))
+    left = Timer.objects.count
+    now = clock.now_ms() + chores.PRUNE_EVERY_MS  # the start-up pass is behind us
+    assert housekeeping.TIMER_BATCH == 1_000
+    with caplog.at_level(logging.INFO, logger="durable.worker"):
+        engine.chores.after_firing(now)
+        assert left() == 1_500
+        engine.chores.after_firing(now + chores.PRUNE_CATCH_UP_MS - 1)
+        assert left() == 1_500  # not yet
+        engine.chores.after_firing(now + chores.PRUNE_CATCH_UP_MS)
+        assert left() == 500
+        engine.chores.after_firing(now + 2 * chores.PRUNE_CATCH_UP_MS)
+        assert left() == 0
+        pruned = [r.getMessage() for r in caplog.records if "timers.pruned" in r.getMessage()]
+        assert pruned == ["timers.pruned rows=2500 node=test-node"]  # once, when caught up
+        durable.schedule_many({"fn": h.noop} for _ in range(10))
+        Timer.objects.update(state="fired", updated_at=ago(clock, 8))
+        engine.chores.after_firing(now + 3 * chores.PRUNE_CATCH_UP_MS)
+        assert left() == 10  # caught up: the next pass, a minute after the last
+        engine.chores.after_firing(now + chores.PRUNE_EVERY_MS)
+        assert left() == 0
+
+
 def test_a_key_of_a_failed_timer_holds_for_the_failed_retention(clock):
     first = durable.schedule(h.noop, key="dead")
     Timer.objects.filter(pk=first.pk).update(state="failed", updated_at=ago(clock, 8))
