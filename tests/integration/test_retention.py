@@ -110,7 +110,13 @@ def test_a_key_of_a_fired_timer_holds_for_the_retention(start_engine, clock):
     assert durable.schedule(h.record, args=["once"], key="once").pk != first.pk
 
 
-def test_a_pruned_timer_leaves_its_children_without_a_parent(clock):
+@pytest.mark.parametrize("path", ["by id", "django delete"])
+def test_a_pruned_timer_leaves_its_children_without_a_parent(clock, monkeypatch, path):
+    """Both ways of deleting: by id (no model of the project points at timers: this test
+    project's case), and Django's ``delete()`` (one does, so its ``on_delete`` applies)."""
+    assert retention.foreign_keys_to_timers() == []
+    if path == "django delete":
+        monkeypatch.setattr(retention, "foreign_keys_to_timers", lambda: ["app.Model.timer"])
     parent, child, other = (durable.schedule(h.noop) for _ in range(3))
     Timer.objects.filter(pk=child.pk).update(parent=parent.pk)
     Timer.objects.filter(pk=parent.pk).update(state="fired", updated_at=ago(clock, 8))
