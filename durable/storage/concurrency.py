@@ -115,8 +115,11 @@ def admit(
             # A timer new to the line goes behind those parked in it already.
             in_turn = queued_ms is not None or not waiting
             if state == _FIRING or (free > 0 and room > 0 and in_turn):
+                # A claim re-run holds its slot (the counts left it out, as one of the
+                # batch's) but was logged by the rate when it first started.
+                free -= 1
                 if state != _FIRING:
-                    free, room = free - 1, room - 1
+                    room -= 1
                     key.started(now_ms)
                 if queued_ms is not None:
                     admitted_in_line[timer_id] = queued_ms
