@@ -17,7 +17,6 @@ from django.db import transaction
 
 from durable.conf import get_settings
 from durable.core.clock import current_clock
-from durable.core.sharding import shard_for
 from durable.exceptions import UnknownWorkflow, WorkflowError
 from durable.models import Timer, WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
 from durable.scheduling.validation import check_stored, check_text, fire_at_ms
@@ -119,7 +118,7 @@ def cancel_workflow(run_id: WorkflowRun | str) -> bool:
         store.cancel_tree(db, run, now_ms)
         if run.parent_id is not None:
             key = store.wake_key(run.parent_id, "child", run_id)
-            parent_shard = shard_for(run.parent_id, conf.SHARDS)
+            parent_shard = store.shard_of(db, run.parent_id)
             store.ensure_wake(db, run.parent_id, parent_shard, key, now_ms, now_ms)
     return True
 
@@ -142,7 +141,9 @@ def retry(run_id: WorkflowRun | str) -> WorkflowRun:
             )
         store.reopen(db, run, now_ms)
         key = store.wake_key(run_id, "retry", run.retries + 1)
-        store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms)
+        # A keyed run takes a slot again: its retry waits in its key's line if it is full.
+        limit = run.concurrency_key
+        store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms, limit)
         run.refresh_from_db(using=db)
     return run
 
