@@ -9,6 +9,7 @@ their own workflow's limit. The two-worker proof (1,000 runs, a kill mid-way) is
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -60,6 +61,14 @@ def gated(ctx, account, n):
 @durable.workflow(concurrency_key="feed", rate_limit="2/m")
 def rated(ctx, n):
     ctx.atomic(record, f"rated:{n}")
+
+
+@durable.workflow(concurrency_key="nap", max_concurrency=1)
+def napper(ctx, n):
+    """Enters, then sleeps: the wake-up's replay ends the run inside the firing batch."""
+    ctx.atomic(record, f"enter:{n}")
+    ctx.sleep(timedelta(seconds=5))
+    return n
 
 
 @durable.workflow
@@ -222,3 +231,30 @@ def test_a_rate_limit_counts_run_starts(driver):
     assert start_ms + 60_000 <= third.fire_at_ms <= start_ms + 61_000
     driver.until(lambda: driver.state(runs[2]) == "completed", turns=70)
     assert driver.clock.now_ms() >= start_ms + 60_000
+
+
+def test_cancelling_a_parent_frees_its_childrens_slots(driver):
+    run = parent.start(3)
+    driver.until(lambda: len(entered()) >= 2)
+    kids_key = f"workflow:{gated.name}:kids"
+    assert holding(kids_key) == 2
+    other = gated.start("kids", 4)  # not of the tree: waits behind the third child
+    for _ in range(3):
+        driver.turn()
+    assert start_timer(other).fire_at_ms == PARKED_MS
+    assert durable.cancel_workflow(run)
+    kids = WorkflowRun.objects.filter(parent_id=run.pk)
+    assert set(kids.values_list("state", flat=True)) == {"canceled"}
+    assert start_timer(other).fire_at_ms == driver.clock.now_ms(), "woken by the cancel"
+    driver.settle(other, "waiting")
+    assert entered()[2:] == [4]
+
+
+def test_a_run_that_ends_inside_the_firing_batch_frees_its_slot(driver):
+    first, second = napper.start(1), napper.start(2)
+    driver.settle(first, "sleeping")
+    assert driver.state(second) == "pending" and entered() == [1]
+    driver.settle(first, "completed")
+    assert FireRecord.objects.filter(key="enter:1").count() == 1
+    driver.settle(second, "sleeping", "completed")
+    assert entered() == [1, 2]
