@@ -105,7 +105,9 @@ def cancel_workflow(run_id: WorkflowRun | str) -> bool:
     True if this call cancelled it; False if it had already finished. A run being
     replayed stops at its next checkpoint (a step already running finishes, but its
     result is not recorded). The parent of a cancelled child is woken, and its
-    ``ctx.wait_child`` raises ``ChildWorkflowFailed``.
+    ``ctx.wait_child`` raises ``ChildWorkflowFailed``. A cancelled run of a limited
+    workflow frees its key's slot in this transaction (the next in line is made due); one
+    still waiting in its key's line just leaves it.
     """
     run_id = _run_id(run_id)
     conf = get_settings()
@@ -127,8 +129,10 @@ def retry(run_id: WorkflowRun | str) -> WorkflowRun:
     """Run a failed run again from its last checkpoint; return it (now pending).
 
     Recorded steps are not run again. A step that had used up its attempts (the last
-    record) is dropped, so it gets a fresh set of attempts. Raises
-    :class:`~durable.exceptions.WorkflowError` unless the run failed.
+    record) is dropped, so it gets a fresh set of attempts. A run of a limited workflow
+    takes a slot of its key again: its retry waits in the key's line, as a new arrival,
+    while the key is full. Raises :class:`~durable.exceptions.WorkflowError` unless the
+    run failed.
     """
     run_id = _run_id(run_id)
     db = get_settings().DATABASE
