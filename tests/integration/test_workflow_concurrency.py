@@ -9,11 +9,12 @@ their own workflow's limit. The two-worker proof (1,000 runs, a kill mid-way) is
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-from django.db import transaction
+from django.db import connections, transaction
 
 import durable
 from durable.conf import get_settings
@@ -258,3 +259,44 @@ def test_a_run_that_ends_inside_the_firing_batch_frees_its_slot(driver):
     assert FireRecord.objects.filter(key="enter:1").count() == 1
     driver.settle(second, "sleeping", "completed")
     assert entered() == [1, 2]
+
+
+@pytest.mark.postgres
+def test_a_start_committed_late_takes_its_place_by_when_it_started(driver):
+    # Run 3 is started first but its transaction commits after 4 and 5 joined the line:
+    # the line goes by when runs were started, not by when they became visible.
+    start_line(driver, 2, account="late")
+    begun, commit = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def slow_start() -> None:
+        try:
+            with transaction.atomic():
+                gated.start("late", 3)
+                begun.set()
+                commit.wait(10)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=slow_start)
+    thread.start()
+    assert begun.wait(10)
+    driver.clock.advance(10)
+    later = [gated.start("late", 4), gated.start("late", 5)]
+    for _ in range(3):
+        driver.turn()
+    assert all(start_timer(run).fire_at_ms == PARKED_MS for run in later)
+    commit.set()
+    thread.join()
+    assert not errors, errors
+    (third,) = WorkflowRun.objects.filter(args=["late", 3])
+    driver.until(lambda: start_timer(third).fire_at_ms == PARKED_MS)
+    assert start_timer(third).queued_ms < start_timer(later[0]).queued_ms
+    first = WorkflowRun.objects.get(args=["late", 1])
+    go(driver, first)
+    driver.until(lambda: 3 in entered())
+    for _ in range(3):
+        driver.turn()
+    assert entered()[2:] == [3], "3 went first, 4 and 5 still wait"
