@@ -73,3 +73,26 @@ def queued_ms_field() -> models.BigIntegerField:
     return models.BigIntegerField(
         null=True, blank=True, help_text="in line for a concurrency slot: its place (due time)"
     )
+
+
+def run_key_field() -> models.CharField:
+    """``WorkflowRun.concurrency_key``: its workflow's key, ``"workflow:<name>:<key>"``.
+
+    NULL for a run of a workflow without limits. While the run is running, sleeping or
+    waiting it holds a slot of that key (:mod:`durable.storage.run_slots`).
+    """
+    return models.CharField(
+        max_length=255, null=True, blank=True, help_text="its workflow's concurrency key"
+    )
+
+
+def run_key_indexes() -> list[models.Index]:
+    """``WorkflowRun``'s index for concurrency keys: a key's runs by state (partial: a run
+    without a key costs it nothing)."""
+    return [
+        models.Index(
+            fields=["concurrency_key", "state"],
+            name="durable_wfrun_conc_idx",
+            condition=Q(concurrency_key__isnull=False),
+        ),
+    ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from durable import limits
+
 # The choices and the queryset live beside the models; importing them here keeps
 # ``durable.models.TimerState`` and the rest where code and docs expect them.
 from durable.choices import TimerKind, TimerState, WorkflowState
@@ -18,7 +20,6 @@ from durable.indexes import lookup_indexes, unique_key
 
 # In a module of its own (this one stays under the size limit); re-exported here.
 from durable.limits import ConcurrencyKey as ConcurrencyKey
-from durable.limits import concurrency_indexes, concurrency_key_field, queued_ms_field
 from durable.querysets import WorkflowRunQuerySet
 
 
@@ -81,12 +82,12 @@ class Timer(models.Model):
     created_at = _stamp()
     updated_at = _stamp()
     fired_at = models.DateTimeField(null=True, blank=True)
-    concurrency_key = concurrency_key_field()
-    queued_ms = queued_ms_field()
+    concurrency_key = limits.concurrency_key_field()
+    queued_ms = limits.queued_ms_field()
 
     class Meta:
         indexes = [
-            *concurrency_indexes(),  # a key's running timers, and its line
+            *limits.concurrency_indexes(),  # a key's running timers, and its line
             models.Index(
                 fields=["parent"],
                 name="durable_timer_parent_idx",
@@ -266,7 +267,8 @@ class WorkflowRun(models.Model):
     """One execution of a workflow: its arguments, state, result and bound row.
 
     The id is the run id (given to ``start(run_id=...)`` or generated). Every timer of a
-    run is routed to ``shard`` (``shard_for(id)``), so one worker at a time replays it.
+    run is routed to ``shard`` (``shard_for`` of its ``concurrency_key`` if set, else of
+    its id), so one worker at a time replays it.
     A run started from a model method stores that row's model label and primary key.
     """
 
@@ -296,6 +298,7 @@ class WorkflowRun(models.Model):
     created_at = _stamp()
     updated_at = _stamp()
     finished_at = models.DateTimeField(null=True, blank=True)
+    concurrency_key = limits.run_key_field()
 
     objects = WorkflowRunQuerySet.as_manager()
 
@@ -316,6 +319,7 @@ class WorkflowRun(models.Model):
                 name="durable_wfrun_done_idx",
                 condition=Q(state__in=["completed", "failed", "canceled"], parent__isnull=True),
             ),
+            *limits.run_key_indexes(),
         ]
 
     def __str__(self) -> str:

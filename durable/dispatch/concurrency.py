@@ -53,9 +53,10 @@ class ConcurrencyPolicy:
 
 
 def policy(
-    concurrency_key: Any, max_concurrency: Any, rate_limit: Any = None
+    concurrency_key: Any, max_concurrency: Any, rate_limit: Any = None, owner: str = "handler"
 ) -> ConcurrencyPolicy | None:
-    """Validate ``@durable.handler``'s limit options; ``None`` when none is given.
+    """Validate ``@durable.handler``'s (or, ``owner="workflow"``, ``@durable.workflow``'s)
+    limit options; ``None`` when none is given.
 
     A key needs a limit (``max_concurrency``, ``rate_limit`` or both) and a limit needs
     a key, else ``TypeError``; a ``max_concurrency`` that is not an integer >= 1 or a
@@ -81,7 +82,7 @@ def policy(
         check_key(concurrency_key, "concurrency_key: the fixed key is")
     elif not callable(concurrency_key):
         raise TypeError(
-            "concurrency_key: expected a str or a callable of the handler's arguments, "
+            f"concurrency_key: expected a str or a callable of the {owner}'s arguments, "
             f"got {type(concurrency_key).__name__}"
         )
     return ConcurrencyPolicy(key=concurrency_key, max_concurrency=max_concurrency, rate=rate)

@@ -44,7 +44,9 @@ from durable.storage.leases import ms_to_dt
 
 STEP_FIELDS = ("seq", "kind", "name", "status", "result", "error", "attempts", "wake_ms")
 ACTIVE = WorkflowRun.ACTIVE_STATES
-RUN_FIELDS = ("name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id")
+RUN_FIELDS = (
+    "name", "shard", "args", "kwargs", "model_label", "object_pk", "parent_id", "concurrency_key"
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,8 @@ class RunSnapshot:
     object_pk: str
     parent_id: str | None
     steps: list[dict[str, Any]]
+    concurrency_key: str | None = None
+    """Its workflow's key: it holds a slot of it (:mod:`durable.workflows.slots`)."""
 
 
 def is_postgres(db: str) -> bool:
@@ -100,7 +104,7 @@ def begin(db: str, run_id: str, now_ms: int) -> RunSnapshot | None:
 
 def snapshot_of(run_id: str, fields: Sequence[Any], steps: list[dict[str, Any]]) -> RunSnapshot:
     """A :class:`RunSnapshot` from the run's ``RUN_FIELDS`` values, as read, and its steps."""
-    name, shard, args, kwargs, model_label, object_pk, parent_id = fields
+    name, shard, args, kwargs, model_label, object_pk, parent_id, key = fields
     return RunSnapshot(
         id=run_id,
         name=name,
@@ -111,6 +115,7 @@ def snapshot_of(run_id: str, fields: Sequence[Any], steps: list[dict[str, Any]])
         object_pk=object_pk,
         parent_id=parent_id,
         steps=steps,
+        concurrency_key=key,
     )
 
 

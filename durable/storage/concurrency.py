@@ -38,10 +38,9 @@ from durable.core.sharding import bucket_of
 from durable.limits import ConcurrencyKey
 from durable.models import TimerState
 from durable.storage import statements
+from durable.storage.key_counts import PARKED_MS as PARKED_MS
+from durable.storage.key_counts import counts as _counts
 from durable.storage.notify import notify_timers
-
-#: 9999-12-31T23:59:59.999Z: a parked timer's due time ("when a slot frees").
-PARKED_MS = 253_402_300_799_999
 
 _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
@@ -115,8 +114,11 @@ def admit(
             # A timer new to the line goes behind those parked in it already.
             in_turn = queued_ms is not None or not waiting
             if state == _FIRING or (free > 0 and room > 0 and in_turn):
+                # A claim re-run holds its slot (the counts left it out, as one of the
+                # batch's) but was logged by the rate when it first started.
+                free -= 1
                 if state != _FIRING:
-                    free, room = free - 1, room - 1
+                    room -= 1
                     key.started(now_ms)
                 if queued_ms is not None:
                     admitted_in_line[timer_id] = queued_ms
@@ -356,38 +358,3 @@ def _leave_line(db: str, ids: list[int]) -> None:
     where, params = statements.in_clause(connections[db].vendor, ids)
     with statements.cursor(db) as cursor:
         cursor.execute(f"UPDATE durable_timer SET queued_ms = NULL WHERE {where}", params)
-
-
-def _counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
-    """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving
-    ``exclude`` out. One statement for all keys.
-
-    Each part reads its own index range (``durable_timer_conc_idx`` for the running,
-    ``durable_timer_line_idx`` for the line), never the key's other pending timers: a
-    key with a million timers due next month costs nothing here.
-    """
-    vendor = connections[db].vendor
-    where, params = statements.in_clause(vendor, exclude or [0])
-    mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
-    line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
-    parts = (
-        f"(SELECT count(*) {mine} AND t.state = %s), "
-        f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
-        f"(SELECT count(*) FROM (SELECT 1 {line} AND t.fire_at_ms = %s LIMIT 1) AS parked)"
-    )
-    args = [
-        *(*params, _FIRING),
-        *(*params, _PENDING, PARKED_MS),
-        *(*params, _PENDING, PARKED_MS),
-    ]
-    if vendor == "postgresql":
-        sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
-        args.append(names)
-    else:
-        keys = " UNION ALL ".join(["SELECT %s AS name"] * len(names))
-        sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
-        args.extend(names)
-    with statements.cursor(db) as cursor:
-        cursor.execute(sql, args)
-        rows = cursor.fetchall()
-    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}

@@ -21,7 +21,7 @@ from django.db.models import F
 from django.db.models.sql import InsertQuery
 
 from durable.conf import get_settings
-from durable.core.sharding import bucket_of
+from durable.core.sharding import bucket_of, shard_for
 from durable.models import (
     Timer,
     TimerKind,
@@ -31,7 +31,7 @@ from durable.models import (
     WorkflowState,
     WorkflowStep,
 )
-from durable.storage import statements
+from durable.storage import run_slots, statements
 from durable.storage.checkpoints import STEP_FIELDS
 from durable.storage.leases import ms_to_dt
 from durable.storage.notify import CHANNEL, collecting_now
@@ -136,13 +136,27 @@ def runs_by_ids(db: str, ids: Iterable[str]) -> dict[str, WorkflowRun]:
     return found
 
 
+def shard_of(db: str, run_id: str) -> int:
+    """The stored shard of run ``run_id`` (a keyed run lives on its key's shard, not its
+    id's); its id's shard if there is no such run."""
+    shard = WorkflowRun.objects.using(db).filter(pk=run_id).values_list("shard", flat=True)
+    found = shard.first()
+    return shard_for(run_id, get_settings().SHARDS) if found is None else int(found)
+
+
 def wake_key(run_id: str, *parts: object) -> str:
     """The idempotency key of a wake-up: ``wf:<run id>:<part>:...``."""
     return ":".join(["wf", run_id, *map(str, parts)])
 
 
-def wake_timer(run_id: str, shard: int, key: str, fire_at_ms: int) -> Timer:
-    """An unsaved wake-up timer for ``run_id``, due at ``fire_at_ms``."""
+def wake_timer(
+    run_id: str, shard: int, key: str, fire_at_ms: int, concurrency_key: str | None = None
+) -> Timer:
+    """An unsaved wake-up timer for ``run_id``, due at ``fire_at_ms``.
+
+    ``concurrency_key``: the run's, on the timers that start it (its start, a retry): the
+    firer admits them by their key's limits (:mod:`durable.workflows.slots`).
+    """
     conf = get_settings()
     return new_timer(
         shard=shard,
@@ -155,20 +169,30 @@ def wake_timer(run_id: str, shard: int, key: str, fire_at_ms: int) -> Timer:
         max_attempts=WAKE_MAX_ATTEMPTS,
         backoff_base_s=conf.BACKOFF_BASE_S,
         backoff_max_s=min(conf.BACKOFF_MAX_S, 300.0),
+        concurrency_key=concurrency_key,
     )
 
 
-def ensure_wake(db: str, run_id: str, shard: int, key: str, fire_at_ms: int, now_ms: int) -> None:
+def ensure_wake(
+    db: str,
+    run_id: str,
+    shard: int,
+    key: str,
+    fire_at_ms: int,
+    now_ms: int,
+    concurrency_key: str | None = None,
+) -> None:
     """Make sure a pending wake-up for ``run_id`` exists under ``key`` (announced if new).
 
     A key whose timer already fired (the run was woken early by something else and must
     wait again) gets a fresh timer under ``<key>:r<n>``.
     """
-    timer, created = insert_timer(db, wake_timer(run_id, shard, key, fire_at_ms))
+    timer, created = insert_timer(db, wake_timer(run_id, shard, key, fire_at_ms, concurrency_key))
     suffix = 0
     while not created and timer.state != TimerState.PENDING:
         suffix += 1
-        timer, created = insert_timer(db, wake_timer(run_id, shard, f"{key}:r{suffix}", fire_at_ms))
+        again = wake_timer(run_id, shard, f"{key}:r{suffix}", fire_at_ms, concurrency_key)
+        timer, created = insert_timer(db, again)
     if created:
         announce(db, [timer], now_ms)
 
@@ -245,6 +269,8 @@ def cancel_tree(db: str, root: WorkflowRun, now_ms: int) -> list[str]:
             kind__in=(TimerKind.WORKFLOW, TimerKind.SIGNAL),  # wake-ups, scheduled signals
             target__in=ids,
         ).update(state=TimerState.CANCELED, updated_at=when)
+    # Their slots (and those of woken start timers just cancelled) go to the next in line.
+    run_slots.release_runs(db, cancelled, now_ms, get_settings().BUCKET_SHIFT)
     return cancelled
 
 

@@ -4,7 +4,8 @@ The decision itself is :func:`durable.storage.concurrency.admit`'s, in the batch
 fenced transaction. ``max_concurrency`` binds external handlers (``atomic=False``) only:
 an atomic handler starts and finishes inside its batch transaction, on the one thread
 that fires its shard, so no two of a key's atomic handlers ever run at once anyway.
-``rate_limit`` binds both.
+``rate_limit`` binds both. A limited workflow's start and retry wake-ups are decided the
+same way, by their workflow's limits (:mod:`durable.workflows.slots`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from durable.dispatch.registry import HandlerSpec
-from durable.storage import claims, concurrency
+from durable.storage import claims, concurrency, run_slots
 from durable.storage.firing import DueTimer
+from durable.workflows.registry import workflows
 
 
 @dataclass(slots=True)
@@ -53,8 +55,15 @@ def admit(
     which of them it ran.
     """
     limits: dict[int, concurrency.Limits] = {}
+    starts: list[int] = []
     for timer in due:
-        if timer.kind != "handler" or timer.id not in counted.ids or timer.id in counted.held:
+        if timer.id not in counted.ids or timer.id in counted.held:
+            continue
+        if timer.kind == "workflow":
+            if workflows.limited and _starts_run(timer.key):
+                starts.append(timer.id)
+            continue
+        if timer.kind != "handler":
             continue
         spec = lookup(timer.target)
         policy = None if spec is None else spec.concurrency
@@ -62,6 +71,7 @@ def admit(
         # rate needs deciding.
         if policy is not None and (policy.rate is not None or not spec.atomic):
             limits[timer.id] = (policy.max_concurrency, policy.rate)
+    limits.update(_run_limits(db, starts))
     if not limits:
         return due
     parked = concurrency.admit(db, limits, now_ms, bucket_shift, admitted.from_line)
@@ -73,6 +83,28 @@ def admit(
         place = admitted.from_line
         due = sorted(due, key=lambda t: (place.get(t.id, t.fire_at_ms), t.id))
     return due
+
+
+def _starts_run(key: str | None) -> bool:
+    """A run's start or retry wake-up (``wf:<id>:start...``, ``wf:<id>:retry:...``): the
+    only workflow timers that carry a concurrency key (run ids hold no ``:``)."""
+    parts = (key or "").split(":", 3)
+    return len(parts) > 2 and parts[2] in ("start", "retry")
+
+
+def _run_limits(db: str, timer_ids: list[int]) -> dict[int, concurrency.Limits]:
+    """The limits of the keyed start timers among ``timer_ids``: their workflow's.
+
+    A run whose workflow is not registered here, or no longer limited, is not held back
+    (its replay reports an unknown workflow, or it runs).
+    """
+    limits: dict[int, concurrency.Limits] = {}
+    for timer_id, name in run_slots.keyed_starts(db, timer_ids).items():
+        definition = workflows.get(name)
+        policy = None if definition is None else definition.concurrency
+        if policy is not None:
+            limits[timer_id] = (policy.max_concurrency, policy.rate)
+    return limits
 
 
 def release(

@@ -27,12 +27,12 @@ from django.db import transaction
 
 from durable.conf import get_settings
 from durable.core.errors import sanitize_error
-from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire
 from durable.exceptions import PayloadError
 from durable.models import WorkflowState
 from durable.scheduling.validation import check_stored
 from durable.storage import checkpoints as cp
+from durable.storage import run_slots
 from durable.storage import workflows as store
 from durable.workflows.checkpointing import CheckpointWriter
 from durable.workflows.deadline import keeps_step_thread
@@ -44,6 +44,7 @@ from durable.workflows.records import (
     StepCall,
     Suspend,
 )
+from durable.workflows.slots import run_shard
 
 log = logging.getLogger("durable.workflows")
 FINISHED = ("completed", "failed", "canceled")
@@ -192,12 +193,14 @@ class DatabaseBackend(CheckpointWriter):
         with self.checkpoint():
             fields = asdict(request)
             fields["id"] = fields.pop("run_id")
-            child = store.new_run(fields, shard_for(request.run_id, _shards()), self.run_id)
+            shard = run_shard(request.run_id, request.concurrency_key, _shards())
+            child = store.new_run(fields, shard, self.run_id)
             child, created = store.insert_run(self.db, child)
             if created:
                 key = store.wake_key(child.pk, "start")
                 now = self.now_ms()
-                store.ensure_wake(self.db, child.pk, child.shard, key, now, now)
+                limit = child.concurrency_key
+                store.ensure_wake(self.db, child.pk, child.shard, key, now, now, limit)
             elif child.parent_id != self.run_id:
                 result["error"] = f"run id {child.pk!r} is taken by a run that is not a child"
             record = Record(seq=seq, kind=Kind.CHILD, name=request.name, result=result)
@@ -231,16 +234,21 @@ class DatabaseBackend(CheckpointWriter):
         with self.checkpoint():
             now = self.now_ms()
             cp.finish(self.db, self.run_id, state, result, error, now)
+            if self.keyed:  # its slot goes to the next in its key's line
+                run_slots.release_runs(self.db, [self.run_id], now, _bucket_shift())
             parent = self.parent_id
             if parent is not None:
                 key = store.wake_key(parent, "child", self.run_id)
-                store.ensure_wake(self.db, parent, shard_for(parent, _shards()), key, now, now)
+                shard = store.shard_of(self.db, parent)
+                store.ensure_wake(self.db, parent, shard, key, now, now)
             self._last = True  # the replay's last checkpoint: the wake-up fires with it
 
     def _finish_fast(self, state: str, result: Any, error: str) -> bool:
         """End the run in one statement (PostgreSQL; no parent to wake, no record to
         change): the run's end, its pending records and its wake-up's fire commit together.
         False when the general checkpoint must do it."""
+        if self.keyed:  # the general checkpoint frees its slot in the same transaction
+            return False
         rows = self._new_rows() if self.parent_id is None else None
         if rows is None:
             return False
@@ -280,6 +288,10 @@ def _done(call: StepCall, result: Any) -> Record:
 
 def _shards() -> int:
     return get_settings().SHARDS
+
+
+def _bucket_shift() -> int:
+    return get_settings().BUCKET_SHIFT
 
 
 def _step_deadline_s() -> float | None:

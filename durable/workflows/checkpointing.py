@@ -39,6 +39,7 @@ class CheckpointWriter:
         floor_ms: int,
         recorded: list[Record],
         parent_id: str | None = None,
+        keyed: bool = False,
     ) -> None:
         self.db = db
         self.run_id = run_id
@@ -47,6 +48,8 @@ class CheckpointWriter:
         self.clock = clock
         self.floor_ms = floor_ms
         self.parent_id = parent_id
+        self.keyed = keyed
+        """Its workflow has a concurrency key: its end frees a slot (:meth:`finish`)."""
         self._known = {record.seq: record for record in recorded}
         self._pending: dict[int, Record] = {}
         self._last = False  # set inside a checkpoint that ends the replay (see checkpoint())

@@ -26,10 +26,9 @@ from django.db import transaction
 from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
-from durable.core.sharding import shard_for
 from durable.dispatch.kinds import FiringBatch, RedoCarefully
 from durable.models import WorkflowState
-from durable.storage import wakeups
+from durable.storage import run_slots, wakeups
 from durable.storage import workflows as store
 from durable.storage.checkpoints import RunSnapshot
 from durable.workflows.backend import event, suspend_key
@@ -37,6 +36,9 @@ from durable.workflows.records import Record, Suspend, changes
 
 if TYPE_CHECKING:
     from durable.workflows.runguard import Handovers, RunGuard
+
+
+_ENDS = (WorkflowState.COMPLETED, WorkflowState.FAILED, WorkflowState.CANCELED)
 
 
 class NeedsWorker(Exception):
@@ -55,6 +57,7 @@ class InlineBackend:
         self.run_id = snapshot.id
         self.shard = snapshot.shard
         self.parent_id = snapshot.parent_id
+        self.keyed = snapshot.concurrency_key is not None
         self._now = now_ms
         self._known = {record.seq: record for record in history}
         self._pending: dict[int, Record] = {}
@@ -135,6 +138,9 @@ class InlineBatch:
         ends = [b.end for b in backends if b.end is not None]
         now = current_clock().now_ms()
         wakeups.write_ends(db, ends, now)
+        # The keyed runs that ended hand their slots to the next in line.
+        ended = [b.run_id for b in backends if b.keyed and b.end and b.end.state in _ENDS]
+        run_slots.release_runs(db, ended, now, get_settings().BUCKET_SHIFT)
         sent = [timer for timer in timers if timer.id in firing.sent]
         self.sent = {timer.target for timer in sent}
         handed = list(self.handed_over())
@@ -155,8 +161,7 @@ class InlineBatch:
             elif backend.parent_id is not None:
                 parent = backend.parent_id
                 key = store.wake_key(parent, "child", backend.run_id)
-                shard = shard_for(parent, _shards())
-                store.ensure_wake(db, parent, shard, key, now, now)
+                store.ensure_wake(db, parent, store.shard_of(db, parent), key, now, now)
 
 
 def _lone_timers(timers: Sequence[Any], run_ids: Sequence[str]) -> list[int]:
@@ -234,7 +239,3 @@ def replaying(
         # executor's replays begin by updating the run row, which waits for our lock.
         for run_id in entered:
             guard.leave(run_id)
-
-
-def _shards() -> int:
-    return get_settings().SHARDS

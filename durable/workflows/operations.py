@@ -17,7 +17,6 @@ from django.db import transaction
 
 from durable.conf import get_settings
 from durable.core.clock import current_clock
-from durable.core.sharding import shard_for
 from durable.exceptions import UnknownWorkflow, WorkflowError
 from durable.models import Timer, WorkflowRun, WorkflowRunQuerySet, WorkflowSignal, WorkflowState
 from durable.scheduling.validation import check_stored, check_text, fire_at_ms
@@ -106,7 +105,9 @@ def cancel_workflow(run_id: WorkflowRun | str) -> bool:
     True if this call cancelled it; False if it had already finished. A run being
     replayed stops at its next checkpoint (a step already running finishes, but its
     result is not recorded). The parent of a cancelled child is woken, and its
-    ``ctx.wait_child`` raises ``ChildWorkflowFailed``.
+    ``ctx.wait_child`` raises ``ChildWorkflowFailed``. A cancelled run of a limited
+    workflow frees its key's slot in this transaction (the next in line is made due); one
+    still waiting in its key's line just leaves it.
     """
     run_id = _run_id(run_id)
     conf = get_settings()
@@ -119,7 +120,7 @@ def cancel_workflow(run_id: WorkflowRun | str) -> bool:
         store.cancel_tree(db, run, now_ms)
         if run.parent_id is not None:
             key = store.wake_key(run.parent_id, "child", run_id)
-            parent_shard = shard_for(run.parent_id, conf.SHARDS)
+            parent_shard = store.shard_of(db, run.parent_id)
             store.ensure_wake(db, run.parent_id, parent_shard, key, now_ms, now_ms)
     return True
 
@@ -128,8 +129,10 @@ def retry(run_id: WorkflowRun | str) -> WorkflowRun:
     """Run a failed run again from its last checkpoint; return it (now pending).
 
     Recorded steps are not run again. A step that had used up its attempts (the last
-    record) is dropped, so it gets a fresh set of attempts. Raises
-    :class:`~durable.exceptions.WorkflowError` unless the run failed.
+    record) is dropped, so it gets a fresh set of attempts. A run of a limited workflow
+    takes a slot of its key again: its retry waits in the key's line, as a new arrival,
+    while the key is full. Raises :class:`~durable.exceptions.WorkflowError` unless the
+    run failed.
     """
     run_id = _run_id(run_id)
     db = get_settings().DATABASE
@@ -142,7 +145,9 @@ def retry(run_id: WorkflowRun | str) -> WorkflowRun:
             )
         store.reopen(db, run, now_ms)
         key = store.wake_key(run_id, "retry", run.retries + 1)
-        store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms)
+        # A keyed run takes a slot again: its retry waits in its key's line if it is full.
+        limit = run.concurrency_key
+        store.ensure_wake(db, run_id, run.shard, key, now_ms, now_ms, limit)
         run.refresh_from_db(using=db)
     return run
 

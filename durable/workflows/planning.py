@@ -20,6 +20,7 @@ from durable.exceptions import WorkflowError
 from durable.scheduling.validation import check_payload, check_text
 from durable.workflows.records import ChildRequest
 from durable.workflows.registry import METHOD, BoundWorkflow, Workflow, WorkflowDef
+from durable.workflows.slots import key_for
 
 RUN_ID = re.compile(r"[^\s:]{1,100}")
 _CHILD_NAMESPACE = uuid.UUID("8c5b0f3e-6d1e-4d7a-9a51-2f4c0c8e6a10")
@@ -53,7 +54,8 @@ def plan_fields(
     run_id: str | None,
     where: str = "",
 ) -> dict[str, Any]:
-    """Validate a start and return the run's fields (id, name, args, binding)."""
+    """Validate a start and return the run's fields (id, name, args, binding, and its
+    concurrency key: ``None`` for a workflow without limits)."""
     conf = get_settings()
     args = tuple(args)
     kwargs = dict(kwargs or {})
@@ -71,6 +73,7 @@ def plan_fields(
         )
     check_text(run_id, "run_id", where)  # the id is a text column: no NUL, no surrogate
     fields = {"id": run_id, "name": definition.name, "args": args_list, "kwargs": kwargs_dict}
+    fields["concurrency_key"] = key_for(definition, args_list, kwargs_dict)
     return fields | binding
 
 
@@ -102,6 +105,7 @@ def plan_child(
         kwargs=fields["kwargs"],
         model_label=fields["model_label"],
         object_pk=fields["object_pk"],
+        concurrency_key=fields["concurrency_key"],
     )
 
 

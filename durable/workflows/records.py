@@ -189,6 +189,8 @@ class ChildRequest:
     kwargs: dict[str, Any]
     model_label: str = ""
     object_pk: str = ""
+    concurrency_key: str | None = None
+    """Its workflow's key for this start (:mod:`durable.workflows.slots`)."""
 
 
 @dataclass(frozen=True, slots=True)

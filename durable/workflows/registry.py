@@ -27,6 +27,7 @@ from django.db import models
 
 from durable.conf import get_settings
 from durable.core.backoff import Backoff
+from durable.dispatch.concurrency import ConcurrencyPolicy, policy
 from durable.dispatch.registry import WHERE_TO_REGISTER
 from durable.exceptions import UnknownWorkflow
 from durable.scheduling.validation import check_max_attempts, check_text, to_backoff
@@ -54,6 +55,7 @@ class WorkflowDef:
         strict: bool,
         max_attempts: int | None,
         backoff: Backoff | None,
+        concurrency: ConcurrencyPolicy | None = None,
     ) -> None:
         self.fn = fn
         self.name = name
@@ -61,6 +63,8 @@ class WorkflowDef:
         self.strict = strict
         self.max_attempts = max_attempts
         self.backoff = backoff
+        self.concurrency = concurrency
+        """Its limits per key, or ``None``: see :mod:`durable.workflows.slots`."""
         self.model: type[models.Model] | None = None
         self.owner: type | None = None
         self.signature = inspect.signature(fn)
@@ -170,7 +174,9 @@ class Workflow:
     """Base class for workflows written as classes: define ``run(self, ctx, ...)``.
 
     Class attributes set options: ``name`` (registered name), ``strict``,
-    ``max_attempts`` and ``backoff`` (step retries). A fresh instance runs each replay,
+    ``max_attempts`` and ``backoff`` (step retries), ``concurrency_key``,
+    ``max_concurrency`` and ``rate_limit`` (as for ``@durable.workflow``; a callable key
+    is a ``staticmethod``). A fresh instance runs each replay,
     so keep state in ctx calls' results, not on ``self``. Pass ``abstract=True`` in the
     class statement for a base class that is not a workflow itself.
     """
@@ -179,6 +185,9 @@ class Workflow:
     strict: ClassVar[bool] = False
     max_attempts: ClassVar[int | None] = None
     backoff: ClassVar[Backoff | timedelta | None] = None
+    concurrency_key: ClassVar[Any] = None
+    max_concurrency: ClassVar[int | None] = None
+    rate_limit: ClassVar[str | None] = None
     definition: ClassVar[WorkflowDef]
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
@@ -194,6 +203,7 @@ class Workflow:
             strict=cls.strict,
             max_attempts=cls.max_attempts,
             backoff=cls.backoff,
+            limits=(cls.concurrency_key, cls.max_concurrency, cls.rate_limit),
         )
         definition.owner = cls
         cls.definition = definition
@@ -223,6 +233,9 @@ def workflow(
     strict: bool = False,
     max_attempts: int | None = None,
     backoff: Backoff | timedelta | None = None,
+    concurrency_key: str | Callable[..., str] | None = None,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Callable[[Callable[..., Any]], WorkflowDef]: ...
 def workflow(
     fn: Any = None,
@@ -232,6 +245,9 @@ def workflow(
     strict: bool = False,
     max_attempts: int | None = None,
     backoff: Backoff | timedelta | None = None,
+    concurrency_key: str | Callable[..., str] | None = None,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
 ) -> Any:
     """Declare a durable workflow: a module-level function ``fn(ctx, ...)`` or a model method.
 
@@ -239,6 +255,12 @@ def workflow(
     default ``"<module>.<qualname>"``), ``strict`` (wall-clock time and randomness raise
     in the workflow code), ``max_attempts`` and ``backoff`` (default retry policy of its
     steps). Returns a :class:`WorkflowDef`; start runs with ``.start(...)``.
+
+    ``concurrency_key`` (a ``str``, or a callable given the start's arguments that
+    returns one) with ``max_concurrency=N`` and/or ``rate_limit="N/m"``: at most N runs
+    of a key in progress at once, from their first replay to their end, sleeps and waits
+    included; at most N runs of a key started per period. A run over the limit stays
+    pending, in its key's line (see :mod:`durable.workflows.slots`).
     """
 
     def register(func: Callable[..., Any]) -> WorkflowDef:
@@ -249,13 +271,21 @@ def workflow(
             strict=strict,
             max_attempts=max_attempts,
             backoff=backoff,
+            limits=(concurrency_key, max_concurrency, rate_limit),
         )
 
     return register if fn is None else register(fn)
 
 
 def _declare(
-    fn: Any, *, name: str | None, shape: str, strict: Any, max_attempts: Any, backoff: Any
+    fn: Any,
+    *,
+    name: str | None,
+    shape: str,
+    strict: Any,
+    max_attempts: Any,
+    backoff: Any,
+    limits: tuple[Any, Any, Any] = (None, None, None),
 ) -> WorkflowDef:
     if not inspect.isfunction(fn):
         raise TypeError(
@@ -267,7 +297,9 @@ def _declare(
     if not isinstance(strict, bool):
         raise TypeError(f"strict: expected True or False, got {type(strict).__name__}")
     check_max_attempts(max_attempts)
-    policy = to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
+    max_s = get_settings().BACKOFF_MAX_S
+    retry_backoff = to_backoff(backoff, max_s) if backoff is not None else None
+    concurrency = policy(*limits, owner="workflow")
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
         raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
     check_text(name, "name")
@@ -282,7 +314,8 @@ def _declare(
         shape=shape,
         strict=strict,
         max_attempts=max_attempts,
-        backoff=policy,
+        backoff=retry_backoff,
+        concurrency=concurrency,
     )
     return workflows.register(definition)
 
@@ -312,11 +345,14 @@ class WorkflowRegistry:
     def __init__(self) -> None:
         self._defs: dict[str, WorkflowDef] = {}
         self._lock = threading.Lock()
+        self.limited = False
+        """Whether any registered workflow has a concurrency key (the firer's shortcut)."""
 
     def register(self, definition: WorkflowDef) -> WorkflowDef:
         """Add ``definition``; registering a name again replaces it (module reloads)."""
         with self._lock:
             self._defs[definition.name] = definition
+            self.limited = any(d.concurrency is not None for d in self._defs.values())
         return definition
 
     def get(self, name: str) -> WorkflowDef | None:

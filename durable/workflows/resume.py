@@ -36,7 +36,6 @@ from django.db import models, transaction
 from durable.conf import get_settings
 from durable.core.clock import current_clock
 from durable.core.errors import sanitize_error
-from durable.core.sharding import shard_for
 from durable.dispatch.context import current_fire
 from durable.dispatch.kinds import (
     FiringBatch,
@@ -48,6 +47,7 @@ from durable.dispatch.registry import HandlerSpec
 from durable.exceptions import WorkflowError
 from durable.models import WorkflowState
 from durable.storage import checkpoints as cp
+from durable.storage import run_slots
 from durable.storage import workflows as store
 from durable.storage.leases import fence
 from durable.workflows.backend import DatabaseBackend, event
@@ -143,6 +143,7 @@ def resume_once(run_id: str, snapshot: cp.RunSnapshot | None = None) -> str:
         floor_ms=floor_ms,
         recorded=history,
         parent_id=snapshot.parent_id,
+        keyed=snapshot.concurrency_key is not None,
     )
     return replay(backend, snapshot, history)
 
@@ -222,11 +223,12 @@ def fail_run(db: str, timer: Any, error: str, now_ms: int) -> None:
     ended = cp.fail_unfinished(db, timer.target, text, now_ms)
     if ended is None:
         return
+    run_slots.release_runs(db, [timer.target], now_ms, get_settings().BUCKET_SHIFT)
     event(logging.ERROR, "workflow.failed", run=timer.target, error=text)
     parent = ended
     if parent:
         key = store.wake_key(parent, "child", timer.target)
-        store.ensure_wake(db, parent, shard_for(parent, get_settings().SHARDS), key, now_ms, now_ms)
+        store.ensure_wake(db, parent, store.shard_of(db, parent), key, now_ms, now_ms)
 
 
 kind = WorkflowKind()

@@ -15,11 +15,11 @@ from django.db import transaction
 
 from durable.conf import get_settings
 from durable.core.clock import current_clock
-from durable.core.sharding import shard_for
 from durable.models import WorkflowRun
 from durable.storage import workflows as store
 from durable.workflows.planning import plan_fields
 from durable.workflows.registry import WorkflowDef
+from durable.workflows.slots import run_shard
 
 CALL_KEYS = frozenset({"args", "kwargs", "run_id", "instance"})
 
@@ -34,13 +34,15 @@ def start_run(
     """Validate, then write the run and its start timer; an existing ``run_id`` is returned."""
     conf = get_settings()
     fields = plan_fields(definition, instance, args, kwargs, run_id)
-    run = store.new_run(fields, shard_for(fields["id"], conf.SHARDS))
+    key = fields["concurrency_key"]
+    run = store.new_run(fields, run_shard(fields["id"], key, conf.SHARDS))
     now_ms = current_clock().now_ms()
     db = conf.DATABASE
     start_key = store.wake_key(run.pk, "start")
     if run_id is None and store.can_start_in_one_statement(db):
         # A fresh uuid4: nothing to collide with, nothing to look up.
-        store.insert_started(db, run, store.wake_timer(run.pk, run.shard, start_key, now_ms))
+        timer = store.wake_timer(run.pk, run.shard, start_key, now_ms, key)
+        store.insert_started(db, run, timer)
         return run
     with transaction.atomic(using=db, savepoint=False):
         if run_id is None:
@@ -49,7 +51,7 @@ def start_run(
         else:
             run, created = store.insert_run(db, run)
         if created:
-            store.ensure_wake(db, run.pk, run.shard, start_key, now_ms, now_ms)
+            store.ensure_wake(db, run.pk, run.shard, start_key, now_ms, now_ms, key)
     return run
 
 
@@ -76,7 +78,8 @@ def start_many(definition: WorkflowDef, calls: Iterable[dict[str, Any]]) -> list
                     f"{where}.run_id: {fields['id']!r} repeats calls[{explicit[fields['id']]}]"
                 )
             explicit[fields["id"]] = index
-        planned.append(store.new_run(fields, shard_for(fields["id"], conf.SHARDS)))
+        shard = run_shard(fields["id"], fields["concurrency_key"], conf.SHARDS)
+        planned.append(store.new_run(fields, shard))
     now_ms = current_clock().now_ms()
     db = conf.DATABASE
     with transaction.atomic(using=db, savepoint=False):
@@ -84,7 +87,9 @@ def start_many(definition: WorkflowDef, calls: Iterable[dict[str, Any]]) -> list
         new = [run for run in planned if run.pk not in existing]
         inserted = store.insert_runs(db, new) if new else {}
         wakes = [
-            store.wake_timer(run.pk, run.shard, store.wake_key(run.pk, "start"), now_ms)
+            store.wake_timer(
+                run.pk, run.shard, store.wake_key(run.pk, "start"), now_ms, run.concurrency_key
+            )
             for run in new
         ]
         store.schedule_wakes(db, wakes, now_ms)

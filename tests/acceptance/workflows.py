@@ -114,3 +114,47 @@ def nap(ctx, seconds):
     """Sleep ``seconds``, then end (the run's row says when)."""
     ctx.sleep(timedelta(seconds=seconds))
     return seconds
+
+
+#: Per account: runs of :func:`limited_slot` between their enter and leave steps now,
+#: and the most there ever were (``test_workflow_concurrency_cluster.py`` creates it).
+WF_SLOTS = "wf_concurrency_slots"
+#: Every enter and leave, with the count it left (ids in commit-lock order per account).
+WF_LEDGER = "wf_concurrency_ledger"
+
+
+def account_of_run(account: str, n: int, pause_ms: int) -> str:
+    """The concurrency key of a :func:`limited_slot` run."""
+    return account
+
+
+def slot_event(account: str, n: int, delta: int) -> int:
+    """An atomic step: add ``delta`` to the account's count of runs inside, keep its peak
+    (the row lock orders every worker's steps), and log it; return the new count."""
+    import os
+
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {WF_SLOTS} AS s (account, active, peak) VALUES (%s, %s, %s) "
+            "ON CONFLICT (account) DO UPDATE SET active = s.active + EXCLUDED.active, "
+            "peak = GREATEST(s.peak, s.active + EXCLUDED.active) RETURNING active",
+            [account, delta, max(delta, 0)],
+        )
+        active = cursor.fetchone()[0]
+        cursor.execute(
+            f"INSERT INTO {WF_LEDGER} (account, n, delta, active, pid, at) "
+            "VALUES (%s, %s, %s, %s, %s, clock_timestamp())",
+            [account, n, delta, active, os.getpid()],
+        )
+    return int(active)
+
+
+@durable.workflow(concurrency_key=account_of_run, max_concurrency=2)
+def limited_slot(ctx, account, n, pause_ms):
+    """Enter (an atomic step), sleep ``pause_ms``, leave: at most two per account inside."""
+    ctx.atomic(slot_event, account, n, 1)
+    ctx.sleep(timedelta(milliseconds=pause_ms))
+    ctx.atomic(slot_event, account, n, -1)
+    return n

@@ -106,6 +106,19 @@ def test_over_the_limit_waits_parked_and_is_woken_in_arrival_order(engine, clock
     assert row(timers[6]).queued_ms is None, "admitted: it left the line"
 
 
+def test_claim_re_runs_in_the_batch_hold_their_slots_from_a_new_arrival(clock):
+    # A new owner's first batch: two attempts of the key claimed by a dead worker (firing,
+    # re-run now) and a call that came due meanwhile. The re-runs hold both slots.
+    timers = [durable.schedule(support.gated, args=["acme", n]) for n in (1, 2, 3)]
+    ids = [timer.pk for timer in timers]
+    Timer.objects.filter(pk__in=ids).update(attempts=1)
+    Timer.objects.filter(pk__in=ids[:2]).update(state="firing")
+    with transaction.atomic():
+        limits = dict.fromkeys(ids, (2, None))
+        assert concurrency.admit("default", limits, clock.now_ms(), 16) == {ids[2]}
+    assert row(timers[2]).fire_at_ms == PARKED_MS
+
+
 def test_a_woken_timer_keeps_its_slot_from_a_later_arrival(engine, clock):
     base = clock.now_ms()
     timers = [durable.schedule(support.gated, args=["acme", n], at=at(base + n)) for n in (1, 2, 3)]

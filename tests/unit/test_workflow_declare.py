@@ -130,3 +130,46 @@ def test_a_bound_workflow_knows_its_row():
     bound = order.fulfil
     assert bound.definition is Order.fulfil and bound.instance is order
     assert "Order.fulfil" in repr(bound)
+
+
+def _key(account, n):
+    return account
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"concurrency_key": "acme"}, TypeError, "concurrency_key goes with max_concurrency"),
+        ({"max_concurrency": 2}, TypeError, "concurrency_key goes with max_concurrency"),
+        ({"concurrency_key": _key, "max_concurrency": 0}, ValueError, "max_concurrency: must"),
+        ({"concurrency_key": _key, "max_concurrency": "2"}, TypeError, "max_concurrency: expe"),
+        ({"concurrency_key": 5, "max_concurrency": 2}, TypeError, "workflow's arguments"),
+        ({"concurrency_key": "", "max_concurrency": 2}, ValueError, "concurrency_key: the fix"),
+        ({"concurrency_key": "a", "rate_limit": "10/d"}, ValueError, "rate_limit"),
+    ],
+)
+def test_bad_limits_fail_at_declaration_naming_the_option(options, error, message):
+    def limited(ctx, account, n): ...
+
+    limited.__qualname__ = "limited"  # importable-looking: only the limits are wrong
+    with pytest.raises(error, match=message):
+        durable.workflow(**options)(limited)
+
+
+def test_a_limited_workflow_keeps_its_policy_and_a_class_one_too():
+    def limited(ctx, account, n): ...
+
+    limited.__qualname__ = "limited_ok"
+    definition = durable.workflow(concurrency_key=_key, max_concurrency=3)(limited)
+    assert definition.concurrency is not None and definition.concurrency.max_concurrency == 3
+    assert workflows.limited
+
+    class PerAccount(Workflow):
+        name = "tests.unit.test_workflow_declare.PerAccount"
+        concurrency_key = staticmethod(_key)
+        max_concurrency = 1
+
+        def run(self, ctx, account, n): ...
+
+    assert PerAccount.definition.concurrency is not None
+    assert PerAccount.definition.concurrency.key is _key

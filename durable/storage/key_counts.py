@@ -1,0 +1,74 @@
+"""What holds a concurrency key's slots, and who waits in its line: one statement per decision.
+
+Per key, :func:`counts` reads the *active* (holding a slot), the woken timers not started
+yet (they hold theirs until they do), and whether any timer is parked. Active is, for a
+handler's key, its timers in state ``firing``; for a workflow's key
+(:mod:`durable.workflows.slots`), its runs that are running, sleeping or waiting, plus
+its start timers claimed (``firing``) whose run has not begun its replay yet (still
+``pending``: a worker died in between, say). A run's start timer and the run itself are
+never both counted. Every part reads its own index range (``durable_timer_conc_idx``,
+``durable_timer_line_idx``, ``durable_wfrun_conc_idx``), never a key's other rows.
+"""
+
+from __future__ import annotations
+
+from django.db import connections
+
+from durable.models import TimerState
+from durable.storage import statements
+
+#: 9999-12-31T23:59:59.999Z: a parked timer's due time ("when a slot frees").
+PARKED_MS = 253_402_300_799_999
+#: Stored workflow keys start with this (see :mod:`durable.workflows.slots`).
+WORKFLOW_PREFIX = "workflow:"
+#: The run states that hold a slot of their key.
+HOLDING = ("running", "sleeping", "waiting")
+
+_PENDING = TimerState.PENDING.value
+_FIRING = TimerState.FIRING.value
+
+
+def counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
+    """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving the
+    timers ``exclude`` out. One statement for all keys.
+
+    A key with a million timers due next month costs nothing here.
+    """
+    vendor = connections[db].vendor
+    where, params = statements.in_clause(vendor, exclude or [0])
+    mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
+    line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
+    firing = f"(SELECT count(*) {mine} AND t.state = %s)"
+    firing_args = [*params, _FIRING]
+    if any(name.startswith(WORKFLOW_PREFIX) for name in names):
+        holding = ", ".join(["%s"] * len(HOLDING))
+        runs = (
+            "FROM durable_workflowrun r WHERE r.concurrency_key = k.name "
+            f"AND r.state IN ({holding})"
+        )
+        firing = (
+            f"(SELECT count(*) {mine} AND t.state = %s AND NOT EXISTS (SELECT 1 {runs} "
+            f"AND r.id = t.target)) + (SELECT count(*) {runs})"
+        )
+        firing_args = [*params, _FIRING, *HOLDING, *HOLDING]
+    parts = (
+        f"{firing}, "
+        f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
+        f"(SELECT count(*) FROM (SELECT 1 {line} AND t.fire_at_ms = %s LIMIT 1) AS parked)"
+    )
+    args = [
+        *firing_args,
+        *(*params, _PENDING, PARKED_MS),
+        *(*params, _PENDING, PARKED_MS),
+    ]
+    if vendor == "postgresql":
+        sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
+        args.append(names)
+    else:
+        keys = " UNION ALL ".join(["SELECT %s AS name"] * len(names))
+        sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
+        args.extend(names)
+    with statements.cursor(db) as cursor:
+        cursor.execute(sql, args)
+        rows = cursor.fetchall()
+    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}
