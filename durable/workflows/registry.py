@@ -297,8 +297,11 @@ def _declare(
     if not isinstance(strict, bool):
         raise TypeError(f"strict: expected True or False, got {type(strict).__name__}")
     check_max_attempts(max_attempts)
-    max_s = get_settings().BACKOFF_MAX_S
-    retry_backoff = to_backoff(backoff, max_s) if backoff is not None else None
+    # Settings are read only for a backoff: declaring must not need valid settings (a
+    # worker with bad ones must reach its checks, which list every problem).
+    retry_backoff = (
+        to_backoff(backoff, get_settings().BACKOFF_MAX_S) if backoff is not None else None
+    )
     concurrency = policy(*limits, owner="workflow")
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 255):
         raise ValueError(f"name: expected 1 to 255 characters, got {name!r}")
