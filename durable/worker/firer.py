@@ -188,6 +188,7 @@ class Firer:
         counted.ids.update(more.ids)
         counted.suspects.update(more.suspects)
         counted.attempts.update(more.attempts)
+        counted.previous.update(more.previous)
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
         """Count the attempts of the work's due timers, committed before any runs.
@@ -324,7 +325,7 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
-            self.recorder.record(runners, outcomes, batch, counted.ids, admitted)
+            self.recorder.record(runners, outcomes, batch, counted, admitted)
         return outcomes, announced
 
     def _run_one(
