@@ -185,6 +185,28 @@ def uncount(db: str, previous: Mapping[int, int | None]) -> None:
             )
 
 
+def refund_unstarted(db: str, timer_id: int, *, clear: bool) -> bool:
+    """Give back the attempt last counted for a pending *suspect* whose handler is external;
+    False if the row is not one (any more).
+
+    An external handler runs only after the batch that claims its timer commits, so a
+    pending row with ``claim_token`` set and such a handler never started it: its worker
+    died between the count and that commit (a neighbour's ``os._exit``, a SIGKILL), and
+    that attempt could not have run. Only for plain handler timers: a workflow wake-up
+    may have replayed inline in the batch that was cut short. ``clear`` also clears
+    ``claim_token`` (the row is no suspect any more): for a row not counted in this
+    batch. Called in the batch transaction, which holds the row's lock.
+    """
+    token_sql = ", claim_token = NULL" if clear else ""
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            f"UPDATE durable_timer SET attempts = attempts - 1{token_sql} WHERE id = %s "
+            "AND state = %s AND kind = %s AND claim_token IS NOT NULL AND attempts > 0",
+            [timer_id, _PENDING, "handler"],
+        )
+        return cursor.rowcount > 0
+
+
 def give_back(
     db: str, counted: Mapping[int, tuple[int, int]], now_ms: int, *, suspect: bool
 ) -> int:
