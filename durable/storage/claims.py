@@ -59,6 +59,9 @@ class Counted:
     attempt again, and a neighbour that does costs the suspect none."""
     attempts: dict[int, int] = field(default_factory=dict)
     """For each of ``ids``, its ``attempts`` once counted (what :func:`give_back` checks)."""
+    previous: dict[int, int | None] = field(default_factory=dict)
+    """For each of ``ids``, its ``claim_token`` before the count (what :func:`uncount`
+    puts back)."""
 
 
 def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:
@@ -78,8 +81,8 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     where, params = due_where(conn.vendor, shards, ids, now_ms)
     token_of_shard, token_params = token_by_shard(conn.vendor, tokens)
     select = (
-        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect, attempts + 1 AS n "
-        "FROM durable_timer "
+        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect, attempts + 1 AS n, "
+        "claim_token AS previous FROM durable_timer "
         f"WHERE {where} AND attempts < max_attempts"
     )
     update = f"UPDATE durable_timer SET attempts = attempts + 1, claim_token = {token_of_shard}"
@@ -102,6 +105,7 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
             suspects={r[0] for r in rows if r[1]},
             held=held,
             attempts={r[0]: r[2] for r in rows},
+            previous={r[0]: r[3] for r in rows},
         )
     shard_array = statements.int_array(shards)
     tokens_array = statements.int_array(tokens[shard] for shard in shards)
@@ -115,8 +119,10 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         "held AS MATERIALIZED (SELECT id FROM due WHERE suspect "
         "AND (SELECT count(*) FROM due) > 1), "
         f"counted AS ({update} FROM due WHERE durable_timer.id = due.id "
-        "AND due.id NOT IN (SELECT id FROM held) RETURNING due.id, due.suspect, due.n) "
-        "SELECT (SELECT ok FROM fenced), array(SELECT ARRAY[id, n]::bigint[] FROM counted), "
+        "AND due.id NOT IN (SELECT id FROM held) "
+        "RETURNING due.id, due.suspect, due.n, due.previous) "
+        "SELECT (SELECT ok FROM fenced), "
+        "array(SELECT ARRAY[id, n, previous]::bigint[] FROM counted), "
         f"array(SELECT id FROM counted WHERE suspect), array(SELECT id FROM held), {LAZY_COMMIT}"
     )
     with statements.cursor(db) as cursor:
@@ -127,8 +133,15 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     if not ok:  # which shards: a fence needs a transaction (none in autocommit)
         with transaction.atomic(using=db):
             return Counted(stale=fence_shards(db, tokens))
-    attempts = {timer_id: n for timer_id, n in counted}
-    return Counted(ids=set(attempts), suspects=set(suspects), held=set(held), attempts=attempts)
+    attempts = {timer_id: n for timer_id, n, _ in counted}
+    previous = {timer_id: token for timer_id, _, token in counted}
+    return Counted(
+        ids=set(attempts),
+        suspects=set(suspects),
+        held=set(held),
+        attempts=attempts,
+        previous=previous,
+    )
 
 
 def counting(db: str) -> AbstractContextManager[Any]:
@@ -146,17 +159,52 @@ def counting(db: str) -> AbstractContextManager[Any]:
     return atomic
 
 
-def uncount(db: str, ids: Sequence[int]) -> None:
-    """Give back the attempt counted for ``ids``, which the batch did not run after all."""
-    if not ids:
-        return
-    where, params = statements.in_clause(connections[db].vendor, ids)
+def uncount(db: str, previous: Mapping[int, int | None]) -> None:
+    """Give back the attempt counted for the ids of ``previous``, which the batch did not
+    run after all (left for a later batch, or waiting for a handler thread).
+
+    Each row is put back as the count found it: ``attempts`` one less and its
+    ``claim_token`` as it was (``previous``, :attr:`Counted.previous`), so a suspect stays
+    a suspect. That holds for a ``firing`` row too: an older owner's expired claim, which
+    the batch counted to run again. Giving back only ``pending`` rows left such a row
+    with an attempt spent at every batch that left it over, and the chaos run (seed
+    20261203) dead-lettered an external timer whose handler had never run. Called in the
+    batch transaction, which holds the rows' locks.
+    """
+    by_token: dict[int | None, list[int]] = {}
+    for timer_id, token in previous.items():
+        by_token.setdefault(token, []).append(timer_id)
+    vendor = connections[db].vendor
+    with statements.cursor(db) as cursor:
+        for token, ids in sorted(by_token.items(), key=lambda item: (item[0] is None, item[0])):
+            where, params = statements.in_clause(vendor, sorted(ids))
+            cursor.execute(
+                "UPDATE durable_timer SET attempts = attempts - 1, claim_token = %s "
+                f"WHERE {where} AND state IN (%s, %s)",
+                [token, *params, _PENDING, _FIRING],
+            )
+
+
+def refund_unstarted(db: str, timer_id: int, *, clear: bool) -> bool:
+    """Give back the attempt last counted for a pending *suspect* whose handler is external;
+    False if the row is not one (any more).
+
+    An external handler runs only after the batch that claims its timer commits, so a
+    pending row with ``claim_token`` set and such a handler never started it: its worker
+    died between the count and that commit (a neighbour's ``os._exit``, a SIGKILL), and
+    that attempt could not have run. Only for plain handler timers: a workflow wake-up
+    may have replayed inline in the batch that was cut short. ``clear`` also clears
+    ``claim_token`` (the row is no suspect any more): for a row not counted in this
+    batch. Called in the batch transaction, which holds the row's lock.
+    """
+    token_sql = ", claim_token = NULL" if clear else ""
     with statements.cursor(db) as cursor:
         cursor.execute(
-            "UPDATE durable_timer SET attempts = attempts - 1, claim_token = NULL "
-            f"WHERE {where} AND state = %s",
-            [*params, _PENDING],
+            f"UPDATE durable_timer SET attempts = attempts - 1{token_sql} WHERE id = %s "
+            "AND state = %s AND kind = %s AND claim_token IS NOT NULL AND attempts > 0",
+            [timer_id, _PENDING, "handler"],
         )
+        return cursor.rowcount > 0
 
 
 def give_back(

@@ -23,17 +23,26 @@ worker gives them back, except where the failure may be the handler's own doing:
 The give-back is conditional (:func:`durable.storage.claims.give_back`): only where the
 row still has the attempts and the token it was counted with. If the database cannot
 be reached to give them back, the attempts stay spent: the safe side.
+
+A worker that died between the count and its batch's commit gives nothing back, but an
+external handler (a plain ``atomic=False`` one) runs only after that commit: a pending
+suspect with such a handler never started its last attempt. The next batch that counts
+it gives that attempt back (:meth:`AttemptTracker.refund_unstarted`), and one that finds
+its attempts used up gives it back instead of dead-lettering it
+(:meth:`AttemptTracker.refund_exhausted`): an attempt counts only if its handler may
+have started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 
 from durable.storage import claims
+from durable.storage.firing import DueTimer
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
@@ -63,6 +72,34 @@ class AttemptTracker:
     def settle(self, ids: Iterable[int]) -> None:
         """These timers' batch committed: their attempts are accounted for."""
         self.settled.update(ids)
+
+    def refund_unstarted(self, timer: DueTimer) -> DueTimer:
+        """``timer``, which runs on a handler thread after the batch commits; if it was
+        counted as a suspect, the attempt before never started it
+        (:func:`durable.storage.claims.refund_unstarted`), so this one takes its number.
+
+        In the batch transaction: if the batch fails, the refund rolls back with it and
+        :meth:`give_back` still matches the row as counted. If the batch leaves the timer
+        over, :func:`~durable.storage.claims.uncount` clears its token: with the refund,
+        it is no suspect any more.
+        """
+        if timer.id not in self.counted.suspects or timer.kind != "handler":
+            return timer
+        if not claims.refund_unstarted(self.db, timer.id, clear=False):
+            return timer
+        self.counted.previous[timer.id] = None
+        return timer._replace(attempts=timer.attempts - 1)
+
+    def refund_exhausted(self, timer: DueTimer, external: Callable[[], bool]) -> bool:
+        """True if ``timer``, not counted because its attempts are used up, got its last
+        one back: it never started (a pending suspect whose handler is ``external()``).
+        The firer then leaves it for the next batch, which counts and runs it, instead
+        of dead-lettering it."""
+        if timer.kind != "handler" or timer.attempts < timer.max_attempts:
+            return False
+        if timer.id in self.counted.held or not external():
+            return False
+        return claims.refund_unstarted(self.db, timer.id, clear=True)
 
     def give_back(self, now_ms: int, *, reconnect: bool) -> int:
         """Give back the attempts of counted timers whose batch never committed (see the

@@ -188,6 +188,7 @@ class Firer:
         counted.ids.update(more.ids)
         counted.suspects.update(more.suspects)
         counted.attempts.update(more.attempts)
+        counted.previous.update(more.previous)
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
         """Count the attempts of the work's due timers, committed before any runs.
@@ -311,7 +312,10 @@ class Firer:
                     if timer.id in counted.held:
                         out.alone.append(timer)  # fires after the batch, in one of its own
                     elif timer.id not in counted.ids:
-                        self.recorder.uncounted(timer, out)
+                        if self.attempts.refund_exhausted(timer, lambda t=timer: self._external(t)):
+                            out.leftover.append(timer)  # the next batch counts and runs it
+                        else:
+                            self.recorder.uncounted(timer, out)
                     elif time.monotonic() > deadline and timer.id not in (failed or ()):
                         out.leftover.append(timer)  # budget spent: next batch takes it
                     else:
@@ -324,7 +328,7 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
-            self.recorder.record(runners, outcomes, batch, counted.ids, admitted)
+            self.recorder.record(runners, outcomes, batch, counted, admitted)
         return outcomes, announced
 
     def _run_one(
@@ -344,6 +348,7 @@ class Firer:
             return False
         spec = call[0]
         if not spec.atomic or timer.kind in self.external.shipped:
+            timer = self.attempts.refund_unstarted(timer)
             if free <= 0:
                 out.waiting.append(timer)  # no free thread: parked until one is
                 return False
@@ -370,6 +375,14 @@ class Firer:
             self.attempts.blame(timer.id, exc)
             out.errors.append((timer, spec.failure(exc)))
         return False
+
+    def _external(self, timer: store.DueTimer) -> bool:
+        """Whether ``timer``'s handler runs after its batch commits (False if unknown)."""
+        try:
+            spec = self.calls.lookup(timer)[0]
+        except Exception:
+            return False  # the dead letter's error says why
+        return not spec.atomic or timer.kind in self.external.shipped
 
     def _give_up(self, runner: ShardRunner, timer_id: int, exc: Exception) -> None:
         """Dead-letter a timer whose firing failed alone on an error of its own; if even

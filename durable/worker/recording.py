@@ -65,7 +65,7 @@ class BatchRecorder:
         runners: dict[int, ShardRunner],
         outcomes: dict[int, BatchOutcome],
         batch: kinds.FiringBatch,
-        counted: set[int],
+        counted: claims.Counted,
         admitted: Admitted,
     ) -> None:
         """In the batch transaction: mark the fired fired, schedule follow-ups, retry or
@@ -93,14 +93,15 @@ class BatchRecorder:
             for timer, exc in out.errors:
                 self.outcomes.retry_or_fail(timer, timer.attempts, token, exc, now_ms, out.readd)
             external.extend(t.id for t, _ in out.external if t.id not in batch.claimed)
-            leftover.extend(t.id for t in out.leftover + out.waiting if t.id in counted)
+            leftover.extend(t.id for t in out.leftover + out.waiting if t.id in counted.ids)
         # A claimed timer that failed here (its claim expired with every attempt used,
         # say) frees a slot of its concurrency key: wake the next in line (announced).
         ended = [t.id for out in outcomes.values() for t, _ in out.errors]
         if ended:
             concurrency.release(self.db, ended, now_ms, self.conf.BUCKET_SHIFT)
-        # Timers left for later were counted, not run: give their attempt back.
-        claims.uncount(self.db, leftover)
+        # Timers left for later were counted, not run: give their attempt back (an
+        # older owner's expired claim included: it is still firing).
+        claims.uncount(self.db, {i: counted.previous.get(i) for i in leftover})
         if external:
             durable = not batch.only_claims
             store.claim(self.db, external, batch.tokens, batch.claim_until_ms, durable=durable)

@@ -134,3 +134,156 @@ def test_a_claim_whose_commit_the_worker_could_not_confirm_runs_again_at_once(en
     while engine.firer.in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
     assert state(timer) == (TimerState.FIRED, 1) and ledger("doubt") == ["doubt"]
+
+
+# A claim of an older owner (its worker killed after the claim committed, the shard
+# taken over) is re-run by the new owner: the row is still ``firing``, with its claim
+# expired. Found by the chaos run (seed 20261203, external timer 798): such a row that
+# a batch counted and then left for later (the batch's time budget spent by a hanging
+# atomic handler, or no handler thread free) kept that attempt, because the give-back of
+# left-over timers matched only ``pending`` rows; every batch that left it over spent
+# one more, and the timer was dead-lettered (``AttemptsExhausted``) without its handler
+# having run once. An attempt counts only when its handler may have started.
+
+
+def stale_claim(timer, clock, attempts=1):
+    """Make ``timer`` look like an older owner's claim, expired: ``attempts`` spent."""
+    Timer.objects.filter(pk=timer.pk).update(
+        state=TimerState.FIRING,
+        attempts=attempts,
+        claim_expires_ms=clock.now_ms() - 1,
+        claim_token=0,  # older than any lease token the engine holds (they start at 1)
+    )
+
+
+def test_a_reclaimed_timer_left_over_by_a_spent_budget_keeps_its_attempts(start_engine, clock):
+    from testproject.demo import poison
+
+    engine = start_engine({**SETTINGS, "BATCH_TIME_BUDGET_S": 0.1}, threads=2)
+    hang = durable.schedule(poison.atomic_sleeper, args=[30])  # 0.3 s timeout, 1 attempt
+    clock.advance(1)  # the external timer comes after the hang in the batch
+    reclaimed = durable.schedule(probes.record_external, args=["left"])  # max_attempts=2
+    stale_claim(reclaimed, clock)
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    clock.advance(1)
+    engine.tick()  # the hang spends the budget: the redo leaves the external timer over
+    assert state(hang) == (TimerState.FAILED, 1)
+    assert state(reclaimed) == (TimerState.FIRING, 1), "its handler did not start"
+    for _ in range(3):
+        turn(engine, clock)
+        assert _settled(engine)
+    assert state(reclaimed) == (TimerState.FIRED, 2)
+    assert ledger("left") == ["left"]
+
+
+def test_a_reclaimed_timer_waiting_for_a_thread_keeps_its_attempts(start_engine, clock):
+    import threading
+
+    from testproject.demo import poison
+
+    engine = start_engine(dict(SETTINGS), threads=1)
+    gate = poison.GATES.setdefault("busy", threading.Event())
+    gate.clear()
+    busy = durable.schedule(poison.gated, args=["busy"])
+    clock.advance(1)
+    reclaimed = durable.schedule(probes.record_external, args=["wait"])  # max_attempts=2
+    stale_claim(reclaimed, clock)
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    clock.advance(1)
+    try:
+        engine.tick()  # the one thread takes the gated timer; the other waits for it
+        assert state(busy) == (TimerState.FIRING, 1)
+        assert engine.firer.external.parked == 1
+        assert state(reclaimed) == (TimerState.FIRING, 1), "its handler did not start"
+    finally:
+        gate.set()
+    for _ in range(5):
+        turn(engine, clock)
+        assert _settled(engine)
+    assert state(busy) == (TimerState.FIRED, 1)
+    assert state(reclaimed) == (TimerState.FIRED, 2)
+    assert ledger("wait") == ["wait"]
+
+
+def _settled(engine, timeout_s=10.0):
+    """Wait until no external handler of ``engine`` is in flight."""
+    deadline = time.monotonic() + timeout_s
+    while engine.firer.in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return not engine.firer.in_flight
+
+
+# An external handler runs only after the batch that claims its timer commits. A worker
+# that died between counting a batch's attempts and that commit (a neighbour's
+# os._exit, a SIGKILL) never started the external handlers in it: their rows are left
+# pending with the count's token set (suspects). That attempt could not have run, so it
+# does not count toward max_attempts.
+
+
+def crashed_before_commit(engine, clock, timer):
+    """Count ``timer``'s attempt and commit only that, as a worker killed mid-batch did."""
+    tokens = {s: r.token for s, r in engine.runners.items()}
+    with transaction.atomic():
+        counted = claims.count_attempts("default", tokens, [timer.pk], clock.now_ms())
+    assert counted.ids == {timer.pk}
+
+
+def test_an_external_attempt_cut_short_before_its_claim_is_given_back(engine, clock):
+    timer = durable.schedule(probes.record_external, args=["cut"])  # max_attempts=2
+    atomic = durable.schedule(probes.record, args=["cut-atomic"], max_attempts=2)
+    crashed_before_commit(engine, clock, timer)
+    crashed_before_commit(engine, clock, atomic)
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    for _ in range(4):
+        turn(engine, clock)
+        assert _settled(engine)
+    assert state(timer) == (TimerState.FIRED, 1), "the cut attempt never started it"
+    assert ledger("cut") == ["cut", "cut-atomic"]
+    assert state(atomic) == (TimerState.FIRED, 2), "an atomic handler may have run: spent"
+
+
+def test_an_external_timer_whose_last_attempt_never_started_is_not_dead_lettered(engine, clock):
+    timer = durable.schedule(probes.record_external, args=["last"])  # max_attempts=2
+    Timer.objects.filter(pk=timer.pk).update(attempts=1)  # attempt 1 ran (and failed)
+    crashed_before_commit(engine, clock, timer)  # attempt 2: its worker died before
+    assert state(timer) == (TimerState.PENDING, 2)
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    for _ in range(4):
+        turn(engine, clock)
+        assert _settled(engine)
+    assert state(timer) == (TimerState.FIRED, 2)
+    assert ledger("last") == ["last"]
+
+
+def test_an_external_suspect_waiting_for_a_thread_keeps_its_number(start_engine, clock):
+    import threading
+
+    from testproject.demo import poison
+
+    engine = start_engine(dict(SETTINGS), threads=1)
+    gate = poison.GATES.setdefault("hold", threading.Event())
+    gate.clear()
+    busy = durable.schedule(poison.gated, args=["hold"])
+    clock.advance(1)
+    timer = durable.schedule(probes.record_external, args=["num"])  # max_attempts=2
+    crashed_before_commit(engine, clock, timer)
+    for runner in engine.runners.values():
+        runner.rescan(clock.now_ms())
+    clock.advance(1)
+    try:
+        engine.tick()  # the gated timer takes the one thread; the suspect waits
+        assert engine.firer.external.parked == 1
+        timer.refresh_from_db()
+        assert (timer.state, timer.attempts, timer.claim_token) == (TimerState.PENDING, 0, None)
+    finally:
+        gate.set()
+    for _ in range(5):
+        turn(engine, clock)
+        assert _settled(engine)
+    assert state(busy) == (TimerState.FIRED, 1)
+    assert state(timer) == (TimerState.FIRED, 1)
+    assert ledger("num") == ["num"]
