@@ -30,6 +30,23 @@ UNLIMITED_CHUNK = 1_000
 
 _LINE = "state = 'pending' AND queued_ms IS NOT NULL AND fire_at_ms = %s"
 
+_PROBE = (
+    f"SELECT concurrency_key FROM durable_timer WHERE {_LINE} AND concurrency_key > %s "
+    "ORDER BY concurrency_key, fire_at_ms LIMIT 1"
+)
+#: Every key with a parked timer, by a skip scan (see :func:`parked_keys`).
+PARKED_KEYS_SQL = (
+    "WITH RECURSIVE k(name) AS ("
+    f"SELECT ({_PROBE.replace(' AND concurrency_key > %s', '')}) "
+    f"UNION ALL SELECT ({_PROBE.replace('> %s', '> k.name')}) FROM k "
+    "WHERE k.name IS NOT NULL) "
+    "SELECT k.name, t.shard, t.kind, t.target, r.name FROM k "
+    "JOIN durable_timer t ON t.id = ("
+    f"SELECT id FROM durable_timer WHERE concurrency_key = k.name AND {_LINE} LIMIT 1) "
+    "LEFT JOIN durable_workflowrun r ON t.kind = 'workflow' AND r.id = t.target "
+    "WHERE k.name IS NOT NULL ORDER BY k.name"
+)
+
 
 def parked_keys(db: str) -> list[tuple[str, int, str, str, str | None]]:
     """Every key with a parked timer: ``(key, shard, kind, target, workflow name)`` of its
@@ -38,23 +55,8 @@ def parked_keys(db: str) -> list[tuple[str, int, str, str, str | None]]:
     A skip scan of ``durable_timer_line_idx``: one index probe per key, whatever the
     length of the lines (a recursive query, the next key after the last one found).
     """
-    probe = (
-        f"SELECT concurrency_key FROM durable_timer WHERE {_LINE} AND concurrency_key > %s "
-        "ORDER BY concurrency_key LIMIT 1"
-    )
-    sql = (
-        "WITH RECURSIVE k(name) AS ("
-        f"SELECT ({probe.replace(' AND concurrency_key > %s', '')}) "
-        f"UNION ALL SELECT ({probe.replace('> %s', '> k.name')}) FROM k "
-        "WHERE k.name IS NOT NULL) "
-        "SELECT k.name, t.shard, t.kind, t.target, r.name FROM k "
-        "JOIN durable_timer t ON t.id = ("
-        f"SELECT id FROM durable_timer WHERE concurrency_key = k.name AND {_LINE} LIMIT 1) "
-        "LEFT JOIN durable_workflowrun r ON t.kind = 'workflow' AND r.id = t.target "
-        "WHERE k.name IS NOT NULL ORDER BY k.name"
-    )
     with statements.cursor(db) as cursor:
-        cursor.execute(sql, [PARKED_MS, PARKED_MS, PARKED_MS])
+        cursor.execute(PARKED_KEYS_SQL, [PARKED_MS, PARKED_MS, PARKED_MS])
         return [tuple(row) for row in cursor.fetchall()]  # type: ignore[misc]
 
 

@@ -114,6 +114,28 @@ def test_a_removed_limit_wakes_the_whole_line_within_the_bound(engine, clock, re
     assert firing() == 6, "all at once: there is no limit now"
 
 
+def test_a_long_line_is_made_due_whole_in_several_transactions(
+    engine, clock, redeclare, monkeypatch
+):
+    monkeypatch.setattr(lines, "UNLIMITED_CHUNK", 2)
+    line_of(engine, clock, 7)
+    redeclare(max_concurrency=None)
+    engine.lines.next_ms = 0
+    assert engine.lines.run(engine.runners, clock.now_ms()) == 5
+    assert parked() == []
+    engine.tick()
+    assert started(7) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_worker_that_does_not_know_the_handler_leaves_its_line_alone(engine, clock, monkeypatch):
+    line_of(engine, clock, 4)
+    Timer.objects.filter(state="firing").delete()  # room for both waiting ones
+    monkeypatch.delitem(handlers._specs, f"{support.__name__}.gated")  # an older release
+    engine.lines.next_ms = 0
+    assert engine.lines.run(engine.runners, clock.now_ms()) == 0
+    assert parked() == [3, 4]
+
+
 def test_a_raised_limit_runs_up_to_the_new_limit_never_more(engine, clock, redeclare):
     line_of(engine, clock, 8)
     redeclare(max_concurrency=5)  # the deploy: 2 -> 5
@@ -173,6 +195,37 @@ def test_the_keeper_wakes_no_more_than_the_free_slots(engine, clock, redeclare):
     engine.tick()
     assert started(3) == [1, 2, 3]
     assert parked() == [4, 5, 6]
+
+
+@durable.handler(concurrency_key="feed", rate_limit="2/m")
+def metered(n: int) -> None:
+    """Atomic, at most 2 starts a minute: one ``FireRecord`` per call, at its start."""
+    fire = durable.current_fire()
+    assert fire is not None
+    FireRecord.objects.create(key=f"metered:{n}", fired_at_ms=fire.fired_ms)
+
+
+def metered_starts() -> dict[int, int]:
+    rows = FireRecord.objects.filter(key__startswith="metered:")
+    return {int(r.key.split(":")[1]): r.fired_at_ms for r in rows}
+
+
+def test_a_rate_limited_line_whose_woken_head_was_deleted_is_woken_by_the_window(engine, clock):
+    base = clock.now_ms()
+    for n in range(1, 6):
+        durable.schedule(metered, args=[n], at=lines_at(base + n))
+    clock.advance(1_000)
+    engine.tick()
+    assert sorted(metered_starts()) == [1, 2]
+    head = Timer.objects.get(target=f"{__name__}.metered", args=[3])
+    assert head.fire_at_ms == base + 1_000 + 60_000, "due when the window has room"
+    Timer.objects.filter(pk=head.pk).delete()  # by hand: 4 and 5 wait with nobody to wake them
+    turns(engine, clock, 30)
+    assert sorted(metered_starts()) == [1, 2]
+    turns(engine, clock, KEEP_EVERY_MS // 1000)
+    starts = metered_starts()
+    assert sorted(starts) == [1, 2, 4, 5], "the keeper woke the head when the window had room"
+    assert min(starts[4], starts[5]) >= base + 1_000 + 60_000, "never over 2 in a minute"
 
 
 def test_keys_of_lines_are_found_by_a_skip_scan(engine, clock):
