@@ -47,6 +47,7 @@ from durable.worker.batches import BatchOutcome, in_turn_order, pack, put_back
 from durable.worker.chores import Chores
 from durable.worker.firer import Firer
 from durable.worker.leasing import LeaseKeeper
+from durable.worker.lines import LineKeeper
 from durable.worker.listener import Listener, sort_notices
 from durable.worker.logs import event
 from durable.worker.outcomes import Readd
@@ -144,6 +145,8 @@ class Engine(Ownership):
             metrics=self.metrics,
             runners=lambda: self.runners,
         )
+        # Wakes lines a deploy or a lost wake left waiting (see durable.worker.lines).
+        self.lines = LineKeeper(db=self.db, conf=self.conf, lookup=registry.get)
         # Renewal may also run between batches of a long turn; rebalancing (taking and
         # giving up shards) only at the start of a turn. Separate deadlines, so busy
         # firing, which renews often, never starves rebalancing.
@@ -281,6 +284,10 @@ class Engine(Ownership):
         for runner in [r for r in self.runners.values() if r.rebuild_pending]:
             runner.rebuild_pending = False
             found += runner.rebuild(now)
+        # Lines left waiting (a limit changed, a wake lost): at a shard's load, then
+        # every minute; the timers it makes due fire in this turn still.
+        if self.lines.due(now):
+            found += self.lines.run(self.runners, now)
         if found:
             fired += self._fire_due()
         if self.raft is not None:

@@ -28,6 +28,7 @@ class Ownership:
 
     runners: dict[int, ShardRunner]
     keeper: Any
+    lines: Any
     raft: Any
     firer: Any
     metrics: Any
@@ -120,6 +121,7 @@ class Ownership:
             runner = load_acquired(self.db, self.conf, got, now, raft=self.raft is not None)
             self.runners[got.shard] = runner
             self.keeper.loaded(got.shard)
+            self.lines.shard_loaded(got.shard)
             self.metrics.on_rebuild(runner.rebuild_s)
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
