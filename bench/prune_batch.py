@@ -8,8 +8,10 @@ Without ``--cluster`` the rows must be fired ones already in the soak's database
 (``SOAK_DB``); each round deletes one batch with the previous way (ids, then
 ``QuerySet.delete()``: Django loads every row for the ``SET_NULL`` of ``parent`` and
 deletes in chunks of 100) and one with the current one (ids locked, children unlinked,
-one ``DELETE``). With ``--sizes`` each round deletes one batch of every size the current
-way instead.
+one ``DELETE``). With ``--sizes`` each round deletes one batch of every size both
+current ways, alternating: one statement (PostgreSQL's) and the three statements in a
+transaction (other databases', and PostgreSQL's before the soak on a production-like
+server).
 
 ``--cluster``: a throwaway cluster (``durable.testing.cluster``, as root; ``fsync``,
 ``synchronous_commit`` and ``autovacuum`` on, as ``bench/soak.py --cluster``) on a port
@@ -72,26 +74,34 @@ def compare(rounds: int) -> None:
             print(f"round {round_}: {name}: {n} rows in {ms:.0f} ms (load {load()})")
 
 
-def by_size(sizes: list[int], rounds: int) -> dict[int, list[float]]:
-    """Each round one batch of every size (``prune_finished``); the milliseconds per size."""
+def by_size(sizes: list[int], rounds: int) -> None:
+    """Each round one batch of every size each way, alternating; the milliseconds."""
     from durable.storage import retention
+    from durable.storage.leases import ms_to_dt
 
     cutoff = int(time.time() * 1000)
-    took: dict[int, list[float]] = {size: [] for size in sizes}
+    ways = {
+        "one statement": lambda size: retention.prune_finished("default", cutoff, size),
+        "three in a transaction": lambda size: retention._prune_finished_in_transaction(
+            "default", ms_to_dt(cutoff), size
+        ),
+    }
+    took: dict[tuple[str, int], list[float]] = {}
     for round_ in range(rounds):
         for size in sizes:
-            started = time.perf_counter()
-            n = retention.prune_finished("default", cutoff, size)
-            ms = (time.perf_counter() - started) * 1000
-            took[size].append(ms)
-            print(f"round {round_}: batch {size}: {n} rows in {ms:.1f} ms (load {load()})")
-    for size, values in took.items():
+            for way, prune in ways.items():
+                started = time.perf_counter()
+                n = prune(size)
+                ms = (time.perf_counter() - started) * 1000
+                took.setdefault((way, size), []).append(ms)
+                print(f"round {round_}: {way}, batch {size}: {n} rows in {ms:.1f} ms", end="")
+                print(f" (load {load()})")
+    for (way, size), values in sorted(took.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         median = statistics.median(values)
         print(
-            f"batch {size}: median {median:.1f} ms, max {max(values):.1f} ms over"
-            f" {len(values)} ({1000 * median / size:.0f} us/row)"
+            f"batch {size:>5}, {way:<22}: median {median:5.1f} ms, max {max(values):5.1f} ms"
+            f" over {len(values)} ({1000 * median / size:.0f} us/row)"
         )
-    return took
 
 
 def fill(pending: int, fired: int) -> None:
