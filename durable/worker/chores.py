@@ -121,7 +121,9 @@ class Chores:
         Full: rows are waiting, the next in ``PRUNE_STEP_MS``. Some: they pass retention
         at about ``deleted`` per the time since the last batch, the next when about
         ``PRUNE_TARGET_ROWS`` more have (between ``PRUNE_STEP_MS`` and a pass's period).
-        None: no batch until the next pass.
+        None: fires stamp their rows a turn at a time, so a short gap can find none; look
+        again after twice the gap, and stop until the next pass once that reaches a
+        pass's period (fires have stopped).
         """
         self._pruned_rows += deleted
         since = PRUNE_EVERY_MS if self._last_batch_ms is None else now - self._last_batch_ms
@@ -130,12 +132,13 @@ class Chores:
             delay = PRUNE_STEP_MS
         elif deleted:
             delay = since * PRUNE_TARGET_ROWS // deleted
-            delay = min(max(delay, PRUNE_STEP_MS), PRUNE_EVERY_MS)
         else:
-            self._next_batch_ms = self._last_batch_ms = None
-            self._log_pruned()
-            return
-        self._next_batch_ms = now + delay
+            delay = 2 * since
+            if delay >= PRUNE_EVERY_MS:
+                self._next_batch_ms = self._last_batch_ms = None
+                self._log_pruned()
+                return
+        self._next_batch_ms = now + min(max(delay, PRUNE_STEP_MS), PRUNE_EVERY_MS)
 
     def _log_pruned(self) -> None:
         if self._pruned_rows:
