@@ -144,6 +144,19 @@ def test_a_parent_and_child_pruned_in_one_batch_both_go(clock, monkeypatch, path
     }
 
 
+def test_a_batch_of_fired_timers_is_one_statement_on_postgresql(clock):
+    """One round trip per batch on the worker's loop (docs: run-the-worker, Retention)."""
+    from django.test.utils import CaptureQueriesContext
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("the one-statement batch is PostgreSQL's")
+    durable.schedule_many({"fn": h.noop} for _ in range(3))
+    Timer.objects.update(state="fired", updated_at=ago(clock, 8))
+    with CaptureQueriesContext(connections["default"]) as queries:
+        assert retention.prune_finished("default", clock.now_ms() - 7 * DAY_MS) == 3
+    assert len(queries.captured_queries) == 1, queries.captured_queries
+
+
 def test_pruning_catches_up_a_batch_at_a_time_between_turns(start_engine, clock, caplog):
     """A pass deletes one batch of fired timers; while batches come back full, the chores
     delete one more every PRUNE_STEP_MS, then fall back to the pass once a minute."""
