@@ -2,8 +2,8 @@
 
 Each chore has its own period. The clock offset is measured on the loop before a turn
 fires (so fires use the fresh offset); retention pruning runs on the loop between turns,
-after the fires, in small batches paced to the rate rows pass retention (a few ms of
-the loop each, not bursts of large ones), never inside a firing transaction; the
+after the fires, in small batches paced to the rate rows pass retention (one short
+batch at a time, not bursts of large ones), never inside a firing transaction; the
 database reads of the gauges run on a pool thread (counting millions of pending rows
 takes a while). Pruning stays on the loop because a pass racing the fires of the same
 turn made the worker's behaviour depend on thread timing.
@@ -32,8 +32,8 @@ log = logging.getLogger("durable.worker")
 PRUNE_EVERY_MS = 60_000
 #: Paced batches of fired timers, between turns: each comes back when about this many
 #: rows have passed retention since the last (from the rate the last batch found), at
-#: most ``housekeeping.TIMER_BATCH``, so one batch holds the loop for a few ms and
-#: fires never queue behind a burst of large ones.
+#: most ``housekeeping.TIMER_BATCH``, so the loop is held one short batch at a time
+#: and fires never queue behind a burst of large ones.
 PRUNE_TARGET_ROWS = 100
 #: The shortest spacing of paced batches: after a full one (rows are waiting), the next
 #: comes this soon; up to ``TIMER_BATCH`` rows every 20 ms per worker (10,000 a second,
