@@ -3,14 +3,22 @@
     python bench/soak.py                 # the hour: 5M pending, 5,000 fires/s, retention 10 min
     python bench/soak.py --quick         # 5 min: 200k pending, 1,000 fires/s, retention 1 min
     python bench/soak.py --quick --out /tmp/soak   # where the JSON and the PNG go
+    python bench/soak.py --quick --cluster         # on a throwaway production-like server
 
 What runs: database ``durable_soak`` (``SOAK_DB`` names another), dropped, created and
-migrated at each start; ``--pending`` timers 30 days out (never due in the run) inserted
-with one set-based ``INSERT ... SELECT generate_series``; one real ``manage.py
-run_timer_shards`` worker (the test project's settings: 64 shards, ``DEBUG`` off) with
-``RETENTION_DAYS`` shortened to ``--retention-s`` (``DURABLE_RETENTION_DAYS``), so that its
-pruning runs throughout; and a producer thread calling ``durable.schedule_many`` ten
-times a second with ``--rate``/10 no-op timers due 1.5 s ahead, as an application would.
+migrated at each start, on the shared server (127.0.0.1:5432) or, with ``--cluster``, on
+a throwaway PostgreSQL cluster of its own (``durable.testing.cluster``: ``initdb`` in a
+temporary directory, run as the ``postgres`` OS user, so as root; port from
+``SOAK_CLUSTER_PORT``, 26000 by default, up; always destroyed at the end) with the
+settings of a production server: ``autovacuum`` on with its defaults, ``fsync`` and
+``synchronous_commit`` on, every autovacuum logged (``log_autovacuum_min_duration=0``,
+the log's lines on ``durable_timer`` counted into the JSON); ``--pending`` timers 30
+days out (never due in the run) inserted with one set-based ``INSERT ... SELECT
+generate_series``; one real ``manage.py run_timer_shards`` worker (the test project's
+settings: 64 shards, ``DEBUG`` off) with ``RETENTION_DAYS`` shortened to
+``--retention-s`` (``DURABLE_RETENTION_DAYS``), so that its pruning runs throughout; and
+a producer thread calling ``durable.schedule_many`` ten times a second with
+``--rate``/10 no-op timers due 1.5 s ahead, as an application would.
 
 Every ``--interval-s`` (60 s; 10 s in ``--quick``) one row: the lateness p50/p99/max of
 the fires stamped in that interval (``fired_at - fire_at_ms`` of the rows: the batch's
@@ -18,15 +26,16 @@ stamp, so the figure leaves out the handler itself), fires/s achieved, timers pr
 overdue pending timers, rows fired and kept, rows pruned (the worker's ``timers.pruned``
 log lines), the heap, index and total sizes of ``durable_timer`` and of every
 ``durable_*`` table, ``n_dead_tup``, the vacuum and autovacuum counts of
-``pg_stat_user_tables``, the worker's RSS and the load average. The row of interval k is
-read 3 s after it ends, so its batches have committed; the worker prunes rows only
-``--retention-s`` after they fired, so they are all still there.
+``pg_stat_user_tables`` with the time of the last autovacuum, the worker's RSS and the
+load average. The row of interval k is read 3 s after it ends, so its batches have
+committed; the worker prunes rows only ``--retention-s`` after they fired, so they are all
+still there.
 
 Vacuum: the figures mean little without it. When the server runs autovacuum, the soak
 leaves vacuuming to it. When it does not (``autovacuum = off``, as on some shared test
 servers), the soak says so and runs ``VACUUM durable_timer`` itself every
 ``--vacuum-every-s`` (default 60 s then; 0 never), a stand-in for autovacuum that the
-table counts as ``vacuum_count``.
+table counts as ``vacuum_count``. ``--cluster`` runs autovacuum, so no manual VACUUM.
 
 Output: the table as it goes, a JSON file (``soak.json``) and a plot (``soak.png``:
 lateness and sizes per interval) in ``--out``. The verdicts at the end: the worst
@@ -53,7 +62,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import REPO, Lateness, connect, wall_ms
 
 #: ``SOAK_DB`` names another database (one per person benching on the server).
-URL = "postgres://durable:durable@127.0.0.1:5432/" + os.environ.get("SOAK_DB", "durable_soak")
+DB = os.environ.get("SOAK_DB", "durable_soak")
+#: The shared server's; ``--cluster`` points it at the throwaway cluster's database.
+URL = "postgres://durable:durable@127.0.0.1:5432/" + DB
+#: ``--cluster``: the first port tried (each person benching on a machine can move it).
+CLUSTER_PORT = int(os.environ.get("SOAK_CLUSTER_PORT", "26000"))
+#: ``--cluster``: a production server's durability and vacuuming (autovacuum's own
+#: defaults otherwise), and every autovacuum in the server log.
+CLUSTER_OPTIONS = (
+    "-c fsync=on -c synchronous_commit=on -c autovacuum=on -c log_autovacuum_min_duration=0"
+)
 #: How far ahead the producer schedules each timer, and how often it writes a batch.
 LEAD_MS = 1_500
 TICK_S = 0.1
@@ -74,6 +92,7 @@ class Plan:
     retention_s: float
     interval_s: float
     vacuum_every_s: float | None  # None: decided from the server's autovacuum setting
+    cluster: bool = False  # on a throwaway production-like cluster, not the shared server
 
 
 FULL = Plan(minutes=60, pending=5_000_000, rate=5_000, retention_s=600, interval_s=60,
@@ -97,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path]:
         help="run VACUUM durable_timer this often (0: never); default: 60 when the"
         " server's autovacuum is off, else never",
     )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run on a throwaway cluster (autovacuum, fsync, synchronous_commit on); needs root",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/soak"), help="JSON and PNG here")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -105,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, Path]:
         for name in ("minutes", "pending", "rate", "retention_s", "interval_s", "vacuum_every_s")
         if getattr(args, name) is not None
     }
+    overrides["cluster"] = args.cluster
     plan = Plan(**{**asdict(base), **overrides})
     if plan.rate <= 0 or plan.minutes <= 0 or plan.interval_s <= 0 or plan.pending < 0:
         parser.error("--rate, --minutes and --interval-s must be positive, --pending >= 0")
@@ -141,6 +166,7 @@ class Interval:
     autovacuums: int
     rss_mb: float
     load: str
+    last_autovacuum: str = "-"  # HH:MM:SS (UTC) of durable_timer's last autovacuum
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +207,7 @@ def aggregate(
         autovacuums=int(stats["autovacuums"]),
         rss_mb=rss_mb,
         load=load,
+        last_autovacuum=stats.get("last_autovacuum") or "-",
     )
 
 
@@ -198,6 +225,7 @@ COLUMNS = (
     ("durable_* MB", lambda r: f"{r.all_tables_mb:.1f}"),
     ("dead tup", lambda r: f"{r.dead_tuples:,}"),
     ("vac/autovac", lambda r: f"{r.vacuums}/{r.autovacuums}"),
+    ("last autovac", lambda r: r.last_autovacuum),
     ("RSS MB", lambda r: f"{r.rss_mb:.0f}"),
     ("load 1m", lambda r: r.load),
 )
@@ -285,6 +313,7 @@ SELECT pg_relation_size('durable_timer'), pg_indexes_size('durable_timer'),
          JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE c.relkind = 'r' AND n.nspname = 'public' AND c.relname LIKE 'durable\\_%%'),
        s.n_dead_tup, s.vacuum_count, s.autovacuum_count,
+       to_char(s.last_autovacuum AT TIME ZONE 'UTC', 'HH24:MI:SS'),
        (SELECT count(*) FROM durable_timer WHERE state IN ('fired', 'canceled')),
        (SELECT count(*) FROM durable_timer WHERE state = 'pending'
           AND fire_at_ms < %s)
@@ -302,7 +331,7 @@ def stats(conn: Any) -> dict[str, Any]:
     """Sizes, dead tuples, vacuum counts, kept fired rows, pending timers overdue by 1 s."""
     row = conn.execute(STATS_SQL, [int(wall_ms()) - 1_000]).fetchone()
     keys = ("heap_bytes", "index_bytes", "toast_bytes", "all_bytes", "dead", "vacuums",
-            "autovacuums", "kept_fired", "overdue")  # fmt: skip
+            "autovacuums", "last_autovacuum", "kept_fired", "overdue")  # fmt: skip
     return {k: (v if v is not None else 0) for k, v in zip(keys, row, strict=True)}
 
 
@@ -411,8 +440,10 @@ def environment() -> dict[str, Any]:
         settings = dict(
             conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name IN ('server_version',"
-                " 'synchronous_commit', 'shared_buffers', 'autovacuum', 'autovacuum_naptime',"
-                " 'autovacuum_vacuum_scale_factor', 'autovacuum_vacuum_cost_delay')"
+                " 'synchronous_commit', 'fsync', 'shared_buffers', 'autovacuum',"
+                " 'autovacuum_naptime', 'autovacuum_vacuum_scale_factor',"
+                " 'autovacuum_vacuum_threshold', 'autovacuum_vacuum_insert_scale_factor',"
+                " 'autovacuum_vacuum_cost_delay', 'autovacuum_vacuum_cost_limit')"
             ).fetchall()
         )
     return {
@@ -424,8 +455,33 @@ def environment() -> dict[str, Any]:
     }
 
 
+AUTOVACUUM_LINE = re.compile(r'automatic vacuum of table "[^"]*\.public\.durable_timer"')
+
+
 def run(plan: Plan, out: Path) -> dict[str, Any]:
-    """The whole soak; returns what ``soak.json`` holds."""
+    """The whole soak (on a throwaway cluster with ``--cluster``); what ``soak.json`` holds."""
+    global URL
+    if not plan.cluster:
+        return run_on_server(plan, out)
+    from durable.testing.cluster import TemporaryCluster, free_port
+
+    cluster = TemporaryCluster(port=free_port(CLUSTER_PORT), options=CLUSTER_OPTIONS)
+    try:
+        cluster.start()
+        URL = cluster.url(DB)
+        print(f"throwaway cluster on port {cluster.port}: {CLUSTER_OPTIONS}", flush=True)
+        result = run_on_server(plan, out)
+        log = cluster.server_log()
+        result["autovacuums_logged"] = len(AUTOVACUUM_LINE.findall(log))
+        (out / "server.log").write_text(log)
+        (out / "soak.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        return result
+    finally:
+        cluster.destroy()
+
+
+def run_on_server(plan: Plan, out: Path) -> dict[str, Any]:
+    """The whole soak on the server of ``URL``; returns what ``soak.json`` holds."""
     import psutil
 
     from bench._common import setup_django

@@ -2,7 +2,8 @@
 
 Each chore has its own period. The clock offset is measured on the loop before a turn
 fires (so fires use the fresh offset); retention pruning runs on the loop between turns,
-after the fires, in small bounded batches, never inside a firing transaction; the
+after the fires, in small batches paced to the rate rows pass retention (one short
+batch at a time, not bursts of large ones), never inside a firing transaction; the
 database reads of the gauges run on a pool thread (counting millions of pending rows
 takes a while). Pruning stays on the loop because a pass racing the fires of the same
 turn made the worker's behaviour depend on thread timing.
@@ -26,11 +27,18 @@ from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
+#: The pruning pass: failed timers and finished runs, and the fired timers' batch that
+#: starts the paced batches (:meth:`Chores._follow_up`) when there are some.
 PRUNE_EVERY_MS = 60_000
-#: While fired timers come up for pruning faster than a pass a minute deletes them (the
-#: last batch was full), one more batch of ``housekeeping.TIMER_BATCH`` this often,
-#: between turns: up to 1,000 rows every 100 ms, the loop held for one batch at a time.
-PRUNE_CATCH_UP_MS = 100
+#: Paced batches of fired timers, between turns: each comes back when about this many
+#: rows have passed retention since the last (from the rate the last batch found), at
+#: most ``housekeeping.TIMER_BATCH``, so the loop is held one short batch at a time
+#: and fires never queue behind a burst of large ones.
+PRUNE_TARGET_ROWS = 100
+#: The shortest spacing of paced batches: after a full one (rows are waiting), the next
+#: comes this soon; up to ``TIMER_BATCH`` rows every 20 ms per worker (10,000 a second,
+#: as the bursts of 1,000 every 100 ms before, if the database keeps up).
+PRUNE_STEP_MS = 20
 OFFSET_EVERY_MS = 60_000
 SAMPLE_EVERY_MS = 15_000
 SAMPLE_DB_EVERY_MS = 60_000
@@ -61,7 +69,8 @@ class Chores:
         self._next_sample_ms = 0
         self._next_db_sample_ms = 0
         self._next_prune_ms = 0
-        self._catch_up_ms: int | None = None  # the next catch-up batch; None: caught up
+        self._next_batch_ms: int | None = None  # the next paced batch; None: none to pace
+        self._last_batch_ms: int | None = None  # when the last batch of fired timers ran
         self._pruned_rows = 0  # fired timers deleted since the last log line
 
     def before_firing(self, now: int) -> None:
@@ -79,7 +88,7 @@ class Chores:
         if now >= self._next_prune_ms:
             self._next_prune_ms = now + PRUNE_EVERY_MS
             self.prune(now)
-        elif self._catch_up_ms is not None and now >= self._catch_up_ms:
+        elif self._next_batch_ms is not None and now >= self._next_batch_ms:
             self.prune_more(now)
         if now >= self._next_sample_ms:
             self.sample(now)
@@ -87,27 +96,49 @@ class Chores:
     def prune(self, now: int) -> int:
         """One pruning pass, on the calling thread; return the rows deleted.
 
-        A full batch of fired timers in it starts the catch-up (:meth:`prune_more`).
+        Fired timers deleted in it start the paced batches (:meth:`prune_more`).
         """
-        self._log_pruned()  # a catch-up still going: what it deleted so far
+        self._log_pruned()  # what the paced batches deleted since the last pass
         timers = housekeeping.prune_timers(self.db, self.conf, now)
         self._follow_up(now, timers)
         return timers + housekeeping.prune(self.db, self.conf, now, self.node, timers=False)
 
+    def next_due_ms(self) -> int:
+        """When the chores next have pruning to do (the engine wakes for it)."""
+        if self._next_batch_ms is None:
+            return self._next_prune_ms
+        return min(self._next_prune_ms, self._next_batch_ms)
+
     def prune_more(self, now: int) -> int:
-        """One more batch of fired timers (catching up); return the rows deleted."""
+        """One paced batch of fired timers; return the rows deleted."""
         deleted = housekeeping.prune_timers(self.db, self.conf, now)
         self._follow_up(now, deleted)
         return deleted
 
     def _follow_up(self, now: int, deleted: int) -> None:
-        """Another batch soon if this one was full; else the catch-up is over."""
+        """Pace the next batch from what this one found.
+
+        Full: rows are waiting, the next in ``PRUNE_STEP_MS``. Some: they pass retention
+        at about ``deleted`` per the time since the last batch, the next when about
+        ``PRUNE_TARGET_ROWS`` more have (between ``PRUNE_STEP_MS`` and a pass's period).
+        None: fires stamp their rows a turn at a time, so a short gap can find none; look
+        again after twice the gap, and stop until the next pass once that reaches a
+        pass's period (fires have stopped).
+        """
         self._pruned_rows += deleted
+        since = PRUNE_EVERY_MS if self._last_batch_ms is None else now - self._last_batch_ms
+        self._last_batch_ms = now
         if deleted >= housekeeping.TIMER_BATCH:
-            self._catch_up_ms = now + PRUNE_CATCH_UP_MS
-            return
-        self._catch_up_ms = None
-        self._log_pruned()
+            delay = PRUNE_STEP_MS
+        elif deleted:
+            delay = since * PRUNE_TARGET_ROWS // deleted
+        else:
+            delay = 2 * since
+            if delay >= PRUNE_EVERY_MS:
+                self._next_batch_ms = self._last_batch_ms = None
+                self._log_pruned()
+                return
+        self._next_batch_ms = now + min(max(delay, PRUNE_STEP_MS), PRUNE_EVERY_MS)
 
     def _log_pruned(self) -> None:
         if self._pruned_rows:

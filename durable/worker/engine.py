@@ -343,7 +343,7 @@ class Engine(Ownership):
 
     def _sleep(self) -> None:
         now = self.clock.now_ms()
-        wake = [self._next_rebalance_ms]
+        wake = [self._next_rebalance_ms, self.chores.next_due_ms()]
         for runner in self.runners.values():
             wake.append(runner.next_rescan_ms)
             nxt = runner.next_wakeup_ms()

@@ -45,19 +45,22 @@ def measure_offset(clock: Clock, db: str) -> None:
 
 
 #: Fired and cancelled timers deleted per batch, each batch its own short transaction.
-TIMER_BATCH = 1000
+#: At most this many fired and cancelled timers a batch: one batch held the worker's
+#: loop 15-32 ms at load 11-13 on 2 shared cores, against 65-114 ms for 1,000
+#: (``bench/prune_batch.py``; docs/benchmarks.md, "Soak").
+TIMER_BATCH = 200
 
 
 def prune(db: str, conf: DurableSettings, now_ms: int, node: str, *, timers: bool = True) -> int:
     """Delete rows past their retention, in small batches; return how many were deleted.
 
     Fired and cancelled timers after ``RETENTION_DAYS`` (one batch of ``TIMER_BATCH``:
-    when it comes back full the chores come back for more, a batch at a time, see
-    :func:`prune_timers`), failed ones after ``FAILED_RETENTION_DAYS`` (at most 1,000),
-    finished workflow runs with their steps and signals after ``RUN_RETENTION_DAYS`` (at
-    most 2,000 runs); ``None`` keeps that kind forever. Each batch is its own short
-    transaction; the engine runs this between turns, after the fires
-    (``durable.worker.chores``, which prunes the fired timers itself: ``timers=False``).
+    the chores pace more batches after it, see :func:`prune_timers`), failed ones after
+    ``FAILED_RETENTION_DAYS`` (at most 1,000), finished workflow runs with their steps
+    and signals after ``RUN_RETENTION_DAYS`` (at most 2,000 runs); ``None`` keeps that
+    kind forever. Each batch is its own short transaction; the engine runs this between
+    turns, after the fires (``durable.worker.chores``, which prunes the fired timers
+    itself: ``timers=False``).
     """
     total = prune_timers(db, conf, now_ms) if timers else 0
     if conf.FAILED_RETENTION_DAYS is not None:
@@ -81,9 +84,10 @@ def prune(db: str, conf: DurableSettings, now_ms: int, node: str, *, timers: boo
 def prune_timers(db: str, conf: DurableSettings, now_ms: int) -> int:
     """One batch (``TIMER_BATCH``) of fired and cancelled timers past ``RETENTION_DAYS``.
 
-    A full batch means more may wait: the chores then repeat this between turns until a
-    batch comes back short, so pruning keeps up with the fire rate while the loop is
-    never held for more than one batch (10 batches in a row once held it for seconds).
+    The chores repeat this between turns, paced to the rate rows pass retention
+    (``durable.worker.chores``): small batches spread evenly keep up with the fire rate
+    while the loop is held a few ms at a time (batches of 1,000 in bursts held it for
+    55-130 ms each, and 10 in a row for seconds).
     """
     cutoff = firing_store.retention_cutoff_ms(now_ms, conf.RETENTION_DAYS)
     return retention.prune_finished(db, cutoff, batch=TIMER_BATCH)

@@ -124,34 +124,114 @@ def test_a_pruned_timer_leaves_its_children_without_a_parent(clock, monkeypatch,
     assert set(Timer.objects.values_list("pk", "parent_id")) == {(child.pk, None), (other.pk, None)}
 
 
+@pytest.mark.parametrize("path", ["by id", "django delete"])
+def test_a_parent_and_child_pruned_in_one_batch_both_go(clock, monkeypatch, path):
+    """On PostgreSQL a batch is one statement that clears the children's ``parent`` and
+    deletes: a child in the same batch must be deleted, not only unlinked (a statement
+    that modifies a row twice keeps one of the two changes)."""
+    if path == "django delete":
+        monkeypatch.setattr(retention, "foreign_keys_to_timers", lambda: ["app.Model.timer"])
+    parent, child, grandchild, other = (durable.schedule(h.noop) for _ in range(4))
+    Timer.objects.filter(pk=child.pk).update(parent=parent.pk)
+    Timer.objects.filter(pk=grandchild.pk).update(parent=child.pk)
+    Timer.objects.filter(pk__in=[parent.pk, child.pk]).update(
+        state="fired", updated_at=ago(clock, 8)
+    )
+    assert prune(clock) == 2
+    assert set(Timer.objects.values_list("pk", "parent_id")) == {
+        (grandchild.pk, None),
+        (other.pk, None),
+    }
+
+
+def test_a_batch_of_fired_timers_is_one_statement_on_postgresql(clock):
+    """One round trip per batch on the worker's loop (docs: run-the-worker, Retention)."""
+    from django.test.utils import CaptureQueriesContext
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("the one-statement batch is PostgreSQL's")
+    durable.schedule_many({"fn": h.noop} for _ in range(3))
+    Timer.objects.update(state="fired", updated_at=ago(clock, 8))
+    with CaptureQueriesContext(connections["default"]) as queries:
+        assert retention.prune_finished("default", clock.now_ms() - 7 * DAY_MS) == 3
+    assert len(queries.captured_queries) == 1, queries.captured_queries
+
+
 def test_pruning_catches_up_a_batch_at_a_time_between_turns(start_engine, clock, caplog):
     """A pass deletes one batch of fired timers; while batches come back full, the chores
-    delete one more every PRUNE_CATCH_UP_MS, then fall back to the pass once a minute."""
+    delete one more every PRUNE_STEP_MS, then fall back to the pass once a minute."""
     from durable.worker import chores, housekeeping
 
     engine = start_engine({"SHARDS": 1})
-    durable.schedule_many({"fn": h.noop} for _ in range(2_500))
+    batch, step = housekeeping.TIMER_BATCH, chores.PRUNE_STEP_MS
+    durable.schedule_many({"fn": h.noop} for _ in range(2 * batch + batch // 2))
     Timer.objects.update(state="fired", updated_at=ago(clock, 8))
     left = Timer.objects.count
     now = clock.now_ms() + chores.PRUNE_EVERY_MS  # the start-up pass is behind us
-    assert housekeeping.TIMER_BATCH == 1_000
     with caplog.at_level(logging.INFO, logger="durable.worker"):
         engine.chores.after_firing(now)
-        assert left() == 1_500
-        engine.chores.after_firing(now + chores.PRUNE_CATCH_UP_MS - 1)
-        assert left() == 1_500  # not yet
-        engine.chores.after_firing(now + chores.PRUNE_CATCH_UP_MS)
-        assert left() == 500
-        engine.chores.after_firing(now + 2 * chores.PRUNE_CATCH_UP_MS)
+        assert left() == batch + batch // 2  # one batch, no more
+        assert engine.chores.next_due_ms() == now + step  # the engine wakes for the next
+        engine.chores.after_firing(now + step - 1)
+        assert left() == batch + batch // 2  # not yet
+        engine.chores.after_firing(now + step)
+        assert left() == batch // 2
+        engine.chores.after_firing(now + 2 * step)
         assert left() == 0
-        pruned = [r.getMessage() for r in caplog.records if "timers.pruned" in r.getMessage()]
-        assert pruned == ["timers.pruned rows=2500 node=test-node"]  # once, when caught up
+        empty = 0  # paced batches finding none: each gap twice the last, up to the pass
+        while engine.chores.next_due_ms() < now + chores.PRUNE_EVERY_MS:
+            engine.chores.after_firing(engine.chores.next_due_ms())
+            empty += 1
+        assert 1 < empty < 15
         durable.schedule_many({"fn": h.noop} for _ in range(10))
         Timer.objects.update(state="fired", updated_at=ago(clock, 8))
-        engine.chores.after_firing(now + 3 * chores.PRUNE_CATCH_UP_MS)
+        engine.chores.after_firing(now + chores.PRUNE_EVERY_MS - 1)
         assert left() == 10  # caught up: the next pass, a minute after the last
+        assert engine.chores.next_due_ms() == now + chores.PRUNE_EVERY_MS
         engine.chores.after_firing(now + chores.PRUNE_EVERY_MS)
         assert left() == 0
+        pruned = [r.getMessage() for r in caplog.records if "timers.pruned" in r.getMessage()]
+        # One line, by the pass, for the batches since the last (its own come at the next).
+        assert pruned == [f"timers.pruned rows={2 * batch + batch // 2} node=test-node"]
+
+
+def test_paced_batches_come_back_when_about_the_target_has_passed_retention(start_engine, clock):
+    """Caught up, the next batch comes when about PRUNE_TARGET_ROWS rows have passed
+    retention at the rate the last batch found them: small batches spread evenly, not a
+    burst of full ones once a minute."""
+    from durable.worker import chores, housekeeping
+
+    engine = start_engine({"SHARDS": 1})
+    batch, step, target = housekeeping.TIMER_BATCH, chores.PRUNE_STEP_MS, chores.PRUNE_TARGET_ROWS
+    assert step < target and target % 10 == 0  # what the figures below assume
+    left = Timer.objects.count
+
+    def fired_past_retention(n: int) -> None:
+        durable.schedule_many({"fn": h.noop} for _ in range(n))
+        Timer.objects.update(state="fired", updated_at=ago(clock, 8))
+
+    now = clock.now_ms() + chores.PRUNE_EVERY_MS
+    fired_past_retention(batch + target)
+    engine.chores.after_firing(now)  # full: the next one a step later
+    engine.chores.after_firing(now + step)  # `target` rows in `step` ms: again a step later
+    assert left() == 0
+    assert engine.chores.next_due_ms() == now + 2 * step
+    fired_past_retention(target // 4)  # a quarter of the rate: four steps to the next
+    engine.chores.after_firing(now + 2 * step)
+    assert left() == 0
+    assert engine.chores.next_due_ms() == now + 6 * step
+    fired_past_retention(target // 10)  # a tenth of the target in four steps now
+    engine.chores.after_firing(now + 6 * step - 1)
+    assert left() == target // 10  # not yet
+    engine.chores.after_firing(now + 6 * step)
+    assert left() == 0
+    assert engine.chores.next_due_ms() == now + 6 * step + 40 * step
+    engine.chores.after_firing(now + 46 * step)  # none in a gap of 40 steps: look again
+    assert engine.chores.next_due_ms() == now + 46 * step + 80 * step  # after twice the gap
+    fired_past_retention(10 * batch)  # a surge: at most one batch, then a step
+    engine.chores.after_firing(now + 126 * step)
+    assert left() == 9 * batch
+    assert engine.chores.next_due_ms() == now + 127 * step
 
 
 def test_a_key_of_a_failed_timer_holds_for_the_failed_retention(clock):

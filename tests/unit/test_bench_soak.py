@@ -106,3 +106,17 @@ def test_prune_log_sums_complete_lines_once(tmp_path: Path) -> None:
     with log.open("a") as f:
         f.write(" node=w1\n")
     assert reader.read() == 7
+
+
+def test_cluster_option_and_the_last_autovacuum_column() -> None:
+    plan, _ = soak.parse_args(["--quick", "--cluster"])
+    assert plan.cluster and not soak.QUICK.cluster
+    assert "autovacuum=on" in soak.CLUSTER_OPTIONS and "fsync=on" in soak.CLUSTER_OPTIONS
+    stats = {**STATS, "last_autovacuum": "21:26:15"}
+    row = soak.aggregate(0, 0, 10, [1.0], produced=1, pruned=0, stats=stats, rss_mb=1, load="0")
+    assert "| 2/1 | 21:26:15 |" in soak.render(row)
+    never = soak.aggregate(0, 0, 10, [1.0], produced=1, pruned=0, stats=STATS, rss_mb=1, load="0")
+    assert "| 2/1 | - |" in soak.render(never)
+    assert soak.AUTOVACUUM_LINE.search(
+        'LOG:  automatic vacuum of table "durable_soak.public.durable_timer": index scans: 1'
+    )
