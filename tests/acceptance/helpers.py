@@ -7,10 +7,12 @@ set up for this repository's test project and the handlers under ``tests/accepta
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from django.db import connections, transaction
 from django.db.models import Count, F
 
 from durable.conf import DurableSettings
@@ -150,3 +152,35 @@ def metric(record_property: Callable[[str, object], None], name: str, value: obj
     """Keep a measured figure in the JUnit report and print it (``pytest -s`` shows it)."""
     record_property(name, value)
     print(f"METRIC {name}={value}")
+
+
+def write_out_of_id_order(write: Callable[[int], None], parts: int = 4) -> None:
+    """Run ``write(part)`` for each part in a transaction of its own, from ``parts``
+    threads: the parts take their ids in order (0 first) and commit in reverse (the last
+    part first, part 0 last and 1.5 s later), so rows with smaller ids appear after rows
+    with larger ones have been acted on."""
+    inserted = threading.Barrier(parts)
+    turn = [threading.Event() for _ in range(parts)]
+    errors: list[BaseException] = []
+    pause_s = [*[1.5, 0.4, 0.2, *[0.0] * parts][: parts - 1], 0.0]  # the last commits first
+
+    def writer(part: int) -> None:
+        try:
+            with transaction.atomic():
+                if part:
+                    turn[part - 1].wait(10)  # take ids after the previous part
+                write(part)
+                turn[part].set()
+                inserted.wait(10)
+                time.sleep(pause_s[part])
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=writer, args=(part,)) for part in range(parts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors

@@ -11,18 +11,17 @@ keep their slots until the survivor re-runs them.
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection
 from django.db.models import Count
 
 import durable
 from durable.models import Timer
 from tests.acceptance import handlers
-from tests.acceptance.helpers import metric, owned_by
+from tests.acceptance.helpers import metric, owned_by, write_out_of_id_order
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -48,37 +47,18 @@ def schedule_out_of_order(due: datetime) -> None:
     """Four transactions take their ids in order (0 first) and commit in reverse (3 first),
     0 last and after the first timers are due, so rows with smaller ids (and earlier due
     times) appear after larger ones have fired."""
-    inserted = threading.Barrier(4)
-    turn = [threading.Event() for _ in range(4)]
-    errors: list[BaseException] = []
 
-    def writer(part: int) -> None:
-        try:
-            with transaction.atomic():
-                if part:
-                    turn[part - 1].wait(10)  # take ids after the previous part
-                durable.schedule_many(
-                    {
-                        "fn": handlers.ledgered,
-                        "args": [f"acct{n % ACCOUNTS}", n, SECONDS],
-                        "at": due + timedelta(milliseconds=n),
-                    }
-                    for n in range(part * 250, part * 250 + 250)
-                )
-                turn[part].set()
-                inserted.wait(10)
-                time.sleep({0: 1.5, 1: 0.4, 2: 0.2, 3: 0.0}[part])
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-        finally:
-            connections.close_all()
+    def write(part: int) -> None:
+        durable.schedule_many(
+            {
+                "fn": handlers.ledgered,
+                "args": [f"acct{n % ACCOUNTS}", n, SECONDS],
+                "at": due + timedelta(milliseconds=n),
+            }
+            for n in range(part * 250, part * 250 + 250)
+        )
 
-    threads = [threading.Thread(target=writer, args=(part,)) for part in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    write_out_of_id_order(write)
 
 
 def most_at_once(rows: list[tuple], killed_pid: int, killed_at: datetime) -> dict[str, int]:

@@ -12,16 +12,15 @@ sleeping) until the survivor resumes them.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection
 from django.db.models import Count
 
 from durable.models import WorkflowRun
 from tests.acceptance import workflows
-from tests.acceptance.helpers import metric, owned_by
+from tests.acceptance.helpers import metric, owned_by, write_out_of_id_order
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -52,33 +51,14 @@ def start_out_of_order() -> None:
     """Four transactions start 250 runs each, taking their ids in order (0 first) and
     committing in reverse (3 first, 0 last and a second and a half later): runs with
     smaller ids, started earlier, appear after later ones have run."""
-    inserted = threading.Barrier(4)
-    turn = [threading.Event() for _ in range(4)]
-    errors: list[BaseException] = []
 
-    def writer(part: int) -> None:
-        try:
-            with transaction.atomic():
-                if part:
-                    turn[part - 1].wait(10)  # take ids after the previous part
-                workflows.limited_slot.start_many(
-                    {"args": [f"acct{n % ACCOUNTS}", n, PAUSE_MS]}
-                    for n in range(part * 250, part * 250 + 250)
-                )
-                turn[part].set()
-                inserted.wait(10)
-                time.sleep({0: 1.5, 1: 0.4, 2: 0.2, 3: 0.0}[part])
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-        finally:
-            connections.close_all()
+    def write(part: int) -> None:
+        workflows.limited_slot.start_many(
+            {"args": [f"acct{n % ACCOUNTS}", n, PAUSE_MS]}
+            for n in range(part * 250, part * 250 + 250)
+        )
 
-    threads = [threading.Thread(target=writer, args=(part,)) for part in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    write_out_of_id_order(write)
 
 
 def left() -> int:
