@@ -10,6 +10,9 @@ PYTEST_ARGS ?=
 SMOKE_PYTHON ?= $(PYTHON)
 DURABLE_TEST_DATABASE_URL ?= postgres://durable:durable@127.0.0.1:5432/durable
 SQLITE_TEST_URL := sqlite:///$(CURDIR)/.test-db.sqlite3
+# The PostgreSQL pass's own arguments (CI leaves out the unit tier there: it needs no
+# database and ran in the SQLite pass).
+PG_PYTEST_ARGS ?= $(PYTEST_ARGS)
 export DURABLE_TEST_DATABASE_URL
 
 .PHONY: venv demo test test-sqlite test-postgres wheel-smoke lint docs pg-setup clean chaos
@@ -36,7 +39,7 @@ test-postgres: venv
 	@if $(BIN)/python scripts/pg_reachable.py "$(DURABLE_TEST_DATABASE_URL)"; then \
 		echo "== test suite on PostgreSQL"; \
 		DATABASE_URL="$(DURABLE_TEST_DATABASE_URL)" DURABLE_EXPECT_POSTGRES=1 \
-			$(BIN)/python -m pytest $(PYTEST_ARGS); \
+			$(BIN)/python -m pytest $(PG_PYTEST_ARGS); \
 	elif [ "$(DURABLE_REQUIRE_POSTGRES)" = "1" ]; then \
 		echo "PostgreSQL is required (DURABLE_REQUIRE_POSTGRES=1) but not reachable"; exit 1; \
 	else \

@@ -38,7 +38,12 @@ from tests.acceptance.raft_cluster import (
     wait_all_fired,
 )
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.acceptance,
+    pytest.mark.postgres,
+    pytest.mark.long,
+    pytest.mark.django_db(transaction=True),
+]
 
 COUNT, LEAD_MS, SPREAD_MS = 6_000, 3_000, 20_000
 TAKEOVER_MS = 2_000

@@ -36,7 +36,12 @@ from tests.acceptance.raft_cluster import (
     wait_all_fired,
 )
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.acceptance,
+    pytest.mark.postgres,
+    pytest.mark.long,
+    pytest.mark.django_db(transaction=True),
+]
 
 RATE, LEAD_MS, CHUNK, AHEAD_MS = 2_000, 5_000, 2_000, 4_000
 #: The load runs through the restarts and this long after; at most MAX_SECONDS in all.
