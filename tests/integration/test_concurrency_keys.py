@@ -24,6 +24,7 @@ from durable.storage import concurrency
 from durable.storage.concurrency import PARKED_MS
 from testproject.demo.models import FireRecord
 from tests.integration import concurrency_support as support
+from tests.integration.concurrency_support import wait_for
 from tests.integration.conftest import START_MS
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -36,15 +37,6 @@ def engine(start_engine):
     yield start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0}, threads=8)
     for gate in support.GATES.values():
         gate.set()
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def at(ms):

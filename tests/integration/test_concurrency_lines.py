@@ -25,6 +25,7 @@ from durable.worker.lines import KEEP_EVERY_MS
 from testproject.demo.models import FireRecord
 from tests.integration import concurrency_support as support
 from tests.integration import workflow_support
+from tests.integration.concurrency_support import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 driver = workflow_support.driver  # fixture
@@ -54,15 +55,6 @@ def redeclare(monkeypatch):
         )
 
     return change
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def started(count):
