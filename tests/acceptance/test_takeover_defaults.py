@@ -28,6 +28,10 @@ DEFAULTS = DurableSettings()
 RUNS, EXTERNALS = 200, 1000
 #: Threads per worker: enough for many claims to be in flight when the worker dies.
 THREADS = "16"
+#: The first externals take half a second: claimed first, they are in flight for longer than
+#: the gap between seeing a's claims and the kill (CI once saw every 2 ms claim of a
+#: finish inside that gap, so nothing was left to re-run).
+SLOW, SLOW_S, FAST_S = 16, 0.5, 0.002
 
 
 @pytest.fixture
@@ -56,7 +60,8 @@ def test_sigkill_with_work_in_flight_everything_completes_within_ttl_plus_2s(
     for i in range(RUNS):
         workflows.two_pauses.start(i, 0.02)
     durable.schedule_many(
-        {"fn": handlers.outside_pause, "args": [f"e{i}", 0.002]} for i in range(EXTERNALS)
+        {"fn": handlers.outside_pause, "args": [f"e{i}", SLOW_S if i < SLOW else FAST_S]}
+        for i in range(EXTERNALS)
     )
 
     def a_has_claims_in_flight() -> bool:
