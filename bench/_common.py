@@ -53,6 +53,31 @@ def connect(url: str, *, autocommit: bool = True) -> Any:
     return psycopg.connect(url, autocommit=autocommit)
 
 
+def server_health(url: str) -> str:
+    """What on the PostgreSQL server behind ``url`` can skew a lateness figure, in a line.
+
+    Read before and after a run, so that a figure out of line with earlier ones can be told
+    from a server in trouble: a full NOTIFY queue (a listener that stopped reading, say a
+    frozen process left over by a test), the oldest transaction's age (an idle-in-transaction
+    session or a replication slot that holds dead rows back; the shared server here runs
+    without autovacuum), and how many other sessions are busy (state and age are seen only
+    for the sessions of the bench's own role, unless it has ``pg_read_all_stats``).
+    """
+    with connect(url) as conn:
+        queue, sessions, busy, oldest_s, slots = conn.execute(
+            "SELECT pg_notification_queue_usage(), count(*), "
+            "count(*) FILTER (WHERE state <> 'idle'), "
+            "coalesce(max(extract(epoch FROM now() - xact_start)), 0), "
+            "(SELECT count(*) FROM pg_replication_slots) "
+            "FROM pg_stat_activity WHERE backend_type = 'client backend' "
+            "AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return (
+        f"NOTIFY queue {queue:.1%} full; {sessions} other client sessions, {busy} not idle; "
+        f"oldest open transaction {oldest_s:.0f} s; {slots} replication slots"
+    )
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.005) -> bool:
     """Poll ``predicate`` until it holds or ``timeout_s`` passes; return whether it held."""
     deadline = time.monotonic() + timeout_s

@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import REPO, Lateness, connect, ratio, wait_until, wall_ms
+from bench._common import REPO, Lateness, connect, ratio, server_health, wait_until, wall_ms
 
 DIRECT_URL = "postgres://durable:durable@127.0.0.1:5432/durable_pgb_bench"
 TICK_S = 0.01
@@ -234,6 +234,8 @@ def main() -> None:
     from durable.testing.cluster import TemporaryPgBouncer
 
     prepare_database()
+    before = server_health(DIRECT_URL)
+    print(f"server before: {before}", flush=True)
     bouncer = TemporaryPgBouncer(users={"durable": "durable"}, pool_size=20)
     bouncer.start()
     common = (args.seconds, args.rate, args.producers, args.preload, args.bulk)
@@ -274,6 +276,7 @@ def main() -> None:
         f"(target: within 2x, {verdict}; asked for {args.rate:,}/s)",
     ]
     lines.append(f"load average at the end: {Path('/proc/loadavg').read_text().strip()}")
+    lines.append(f"server before: {before}; after: {server_health(DIRECT_URL)}")
     print("\n".join(lines))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
