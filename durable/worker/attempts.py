@@ -127,7 +127,8 @@ class AttemptTracker:
         # or PostgreSQL's idle timeout (2 x LEASE_TTL_S) ended it, and the shard's new
         # owner, counting those rows, stalled its whole fire loop on them (issue 17:
         # every shard of it silent for 5 s). Every row is given back on its own
-        # condition, so a part given back when the rest is not is as safe as all of it.
+        # condition, so a part given back when the rest is not is as safe as all of it
+        # (after an error, the warning's count includes the rows given back before it).
         try:
             given = claims.give_back(self.db, plan(clear), now_ms, suspect=False)
             given += claims.give_back(self.db, plan(suspect), now_ms, suspect=True)
