@@ -39,7 +39,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 from durable.storage import claims
 from durable.storage.firing import DueTimer
@@ -121,10 +121,17 @@ class AttemptTracker:
         if reconnect:
             with contextlib.suppress(Exception):
                 connections[self.db].close()
+        # No transaction around them: each statement commits on its own, so no row lock
+        # outlives the statement that took it. A worker frozen (SIGSTOP, a VM pause)
+        # between two statements of one transaction kept its rows locked until it woke
+        # or PostgreSQL's idle timeout (2 x LEASE_TTL_S) ended it, and the shard's new
+        # owner, counting those rows, stalled its whole fire loop on them (issue 17:
+        # every shard of it silent for 5 s). Every row is given back on its own
+        # condition, so a part given back when the rest is not is as safe as all of it
+        # (after an error, the warning's count includes the rows given back before it).
         try:
-            with transaction.atomic(using=self.db):
-                given = claims.give_back(self.db, plan(clear), now_ms, suspect=False)
-                given += claims.give_back(self.db, plan(suspect), now_ms, suspect=True)
+            given = claims.give_back(self.db, plan(clear), now_ms, suspect=False)
+            given += claims.give_back(self.db, plan(suspect), now_ms, suspect=True)
         except DatabaseError as exc:
             event(
                 log,

@@ -13,14 +13,17 @@ dead-lettered within its attempts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import psycopg
 import pytest
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError, connections, transaction
 
 import durable
 from durable.models import Timer, TimerState
 from durable.storage import claims
+from durable.worker.attempts import AttemptTracker
 from testproject.demo import chaos, probes
 from testproject.demo.models import FireRecord
 
@@ -287,3 +290,56 @@ def test_an_external_suspect_waiting_for_a_thread_keeps_its_number(start_engine,
     assert state(busy) == (TimerState.FIRED, 1)
     assert state(timer) == (TimerState.FIRED, 1)
     assert ledger("num") == ["num"]
+
+
+def _session() -> psycopg.Connection:
+    """Another session on the test database: the new owner of the shard, say."""
+    settings = connections["default"].settings_dict
+    return psycopg.connect(
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"],
+        password=settings["PASSWORD"] or None,
+        dbname=settings["NAME"],
+    )
+
+
+@pytest.mark.postgres
+def test_giving_back_leaves_no_row_locked_between_its_statements(engine, clock):
+    # Found in the Raft SIGSTOP acceptance test: the old owner was frozen inside its
+    # give-back transaction (its first UPDATE run, its COMMIT not sent), so its row locks
+    # stayed until it was resumed (or PostgreSQL's idle timeout, 2 x LEASE_TTL_S, ended
+    # it). The shard's new owner counted those rows (suspects, run alone) and its whole
+    # fire loop waited on the lock: every shard of it fired nothing for 5 s. Each
+    # give-back statement now commits on its own, so a freeze anywhere leaves no lock.
+    timers = [durable.schedule(probes.record, args=[key]) for key in ("clear", "suspect")]
+    clock.advance(1)
+    tokens = {t.shard: engine.runners[t.shard].token for t in timers}
+    ids = [t.pk for t in timers]
+    counted = claims.count_attempts("default", tokens, ids, clock.now_ms())
+    assert counted.ids == set(ids)
+    # The second ran in the failed batch (a suspect now); the first never started.
+    counted = dataclasses.replace(counted, suspects={ids[1]})
+    tracker = AttemptTracker("default", counted, {t.pk: tokens[t.shard] for t in timers})
+    locked_after: list[list[int]] = []
+    other = _session()
+
+    def look(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.startswith("UPDATE durable_timer SET attempts = attempts - 1"):
+            # What the frozen worker would leave behind if it stopped right here.
+            free = other.execute(
+                "SELECT id FROM durable_timer WHERE id = ANY(%s) FOR UPDATE SKIP LOCKED", [ids]
+            ).fetchall()
+            other.rollback()
+            locked_after.append(sorted(set(ids) - {row[0] for row in free}))
+        return result
+
+    try:
+        with connections["default"].execute_wrapper(look):
+            assert tracker.give_back(clock.now_ms(), reconnect=False) == 2
+    finally:
+        other.close()
+    assert locked_after == [[], []], "a row stayed locked after a give-back statement"
+    rows = dict(Timer.objects.filter(pk__in=ids).values_list("pk", "claim_token"))
+    assert rows == {ids[0]: None, ids[1]: tokens[timers[1].shard]}
