@@ -224,8 +224,16 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
     Call in the transaction that records their end (or their cancel). Returns the
     timers made due (also announced by NOTIFY at commit).
     """
-    names = sorted({row[1] for row in _keyed_rows(db, list(timer_ids))})
-    return release_keys(db, names, now_ms, bucket_shift)
+    ids = list(timer_ids)
+    rows, locked, counts = _lock_and_count(db, ids, ended=True)
+    names = sorted({row[1] for row in rows})
+    if locked is None:
+        return release_keys(db, names, now_ms, bucket_shift)
+    # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
+    keys = _lock_keys(db, dict.fromkeys(names), locked)
+    if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
+        counts = _counts(db, sorted(keys), [])
+    return _wake_next(db, keys, counts, now_ms, bucket_shift)
 
 
 def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) -> list[Woken]:
@@ -237,8 +245,18 @@ def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) 
     keys = _lock_keys(db, {name: None for name in names})
     if not keys:  # no batch ever decided for them: nobody waits in their line
         return []
+    return _wake_next(db, keys, _counts(db, sorted(keys), []), now_ms, bucket_shift)
+
+
+def _wake_next(
+    db: str,
+    keys: Mapping[str, _Key],
+    counts: Mapping[str, tuple[int, int, int]],
+    now_ms: int,
+    bucket_shift: int,
+) -> list[Woken]:
+    """:func:`_next_in_line` of each locked key, by name, with its ``counts``; announced."""
     woken: list[Woken] = []
-    counts = _counts(db, sorted(keys), [])
     for name, key in sorted(keys.items()):
         active, reserved, waiting = counts[name]
         free = (key.free(active, reserved), reserved, waiting)
@@ -290,7 +308,7 @@ def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
 
 
 def _lock_and_count(
-    db: str, ids: list[int]
+    db: str, ids: list[int], *, ended: bool = False
 ) -> tuple[list[tuple[Any, ...]], dict[str, _Stored] | None, dict[str, tuple[int, int, int]]]:
     """:func:`_keyed_rows` of ``ids``; on PostgreSQL their keys' rows locked and counted too.
 
@@ -307,13 +325,18 @@ def _lock_and_count(
       granted, as a second round trip would. One statement could not: its snapshot is
       taken before it waits for the locks.
 
-    Elsewhere (or with a driver that cannot pipeline) the keyed rows alone, ``None`` and
-    ``{}``: :func:`_lock_keys` locks and the caller counts.
+    ``ended``: ``ids`` ended (:func:`release`): they are counted as they now are, not
+    left out as a batch's are; a timer whose key has no row is not read (nobody waits
+    in a line no batch decided for). Elsewhere (or with a driver that cannot pipeline)
+    the keyed rows alone, ``None`` and ``{}``: :func:`_lock_keys` locks and the caller
+    counts.
     """
     conn = connections[db]
     if not ids or conn.vendor != "postgresql" or not statements.can_pipeline():
         return _keyed_rows(db, ids), None, {}
-    count_sql, count_args = key_counts.counts_sql(conn.vendor, None, ids, workflow=False)
+    count_sql, count_args = key_counts.counts_sql(
+        conn.vendor, None, [] if ended else ids, workflow=False, keys_of=ids
+    )
     # The cursors first: they open the connection the pipeline is entered on.
     with statements.cursor(db) as lock, statements.cursor(db) as count:
         with conn.wrap_database_errors, conn.connection.pipeline():
@@ -334,6 +357,8 @@ def _lock_and_count(
     for row in joined:
         if row[1] not in locked:
             locked[row[1]] = (row[6], row[7], _json_list(row[8]))
+    if ended:
+        return rows, locked, counted
     found = {row[0] for row in rows}
     rest = [timer_id for timer_id in ids if timer_id not in found]
     return rows + _keyed_rows(db, rest), locked, counted

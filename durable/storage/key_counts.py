@@ -48,14 +48,19 @@ def read(rows: list[tuple[str, int, int, int]]) -> dict[str, tuple[int, int, int
 
 
 def counts_sql(
-    vendor: str, names: list[str] | None, exclude: list[int], *, workflow: bool
+    vendor: str,
+    names: list[str] | None,
+    exclude: list[int],
+    *,
+    workflow: bool,
+    keys_of: list[int] | None = None,
 ) -> tuple[str, list[object]]:
     """The statement of :func:`counts`, and its parameters.
 
-    ``names`` ``None`` (PostgreSQL only): the keys of the timers ``exclude``, read by the
-    statement itself, so that it can be sent before the caller knows them (pipelined
-    behind the statement that locks them). ``workflow``: some key is a workflow's
-    (``workflow:`` prefix); its runs are counted too.
+    ``names`` ``None`` (PostgreSQL only): the keys of the timers ``keys_of`` (by default
+    ``exclude``), read by the statement itself, so that it can be sent before the caller
+    knows them (pipelined behind the statement that locks them). ``workflow``: some key
+    is a workflow's (``workflow:`` prefix); its runs are counted too.
     """
     where, params = statements.in_clause(vendor, exclude or [0])
     mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
@@ -84,11 +89,12 @@ def counts_sql(
         *(*params, _PENDING, PARKED_MS),
     ]
     if names is None:
+        of, of_params = statements.in_clause(vendor, exclude if keys_of is None else keys_of)
         sql = (
             f"SELECT k.name, {parts} FROM (SELECT DISTINCT concurrency_key AS name "
-            f"FROM durable_timer WHERE {where} AND concurrency_key IS NOT NULL) AS k"
+            f"FROM durable_timer WHERE {of} AND concurrency_key IS NOT NULL) AS k"
         )
-        args.extend(params)
+        args.extend(of_params)
     elif vendor == "postgresql":
         sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
         args.append(names)
