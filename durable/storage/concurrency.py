@@ -112,7 +112,9 @@ def admit(
         return set()
     policies = {key: limits[group[0][0]] for key, group in by_key.items()}
     keys = _lock_keys(db, policies, locked)
-    counts = _counts(db, sorted(by_key), list(limits))
+    # Rates alone (the keys' limits are the handlers' now): nothing reads the active count.
+    active = any(key.limit is not None for key in keys.values())
+    counts = _counts(db, sorted(by_key), list(limits), active=active)
     parked: list[int] = []
     admitted_in_line: dict[int, int] = {}
     woken: list[Woken] = []

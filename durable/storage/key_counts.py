@@ -28,11 +28,15 @@ _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
 
-def counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
+def counts(
+    db: str, names: list[str], exclude: list[int], *, active: bool = True
+) -> dict[str, tuple[int, int, int]]:
     """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving the
     timers ``exclude`` out. One statement for all keys.
 
-    A key with a million timers due next month costs nothing here.
+    A key with a million timers due next month costs nothing here. ``active=False``: the
+    caller needs no active count (none of the keys has a ``max_concurrency``, only a
+    rate): it is given as 0, and not read.
     """
     vendor = connections[db].vendor
     where, params = statements.in_clause(vendor, exclude or [0])
@@ -40,7 +44,9 @@ def counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int
     line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
     firing = f"(SELECT count(*) {mine} AND t.state = %s)"
     firing_args = [*params, _FIRING]
-    if any(name.startswith(WORKFLOW_PREFIX) for name in names):
+    if not active:
+        firing, firing_args = "0", []
+    elif any(name.startswith(WORKFLOW_PREFIX) for name in names):
         holding = ", ".join(["%s"] * len(HOLDING))
         runs = (
             "FROM durable_workflowrun r WHERE r.concurrency_key = k.name "
