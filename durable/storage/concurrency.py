@@ -37,11 +37,12 @@ from durable.core.ratelimit import Rate, parse_rate
 from durable.core.sharding import bucket_of
 from durable.limits import ConcurrencyKey
 from durable.models import TimerState
-from durable.storage import statements
+from durable.storage import key_counts, statements
 from durable.storage.key_counts import PARKED_MS as PARKED_MS
 from durable.storage.key_counts import counts as _counts
 from durable.storage.notify import notify_timers
 
+_WORKFLOW = key_counts.WORKFLOW_PREFIX
 _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
@@ -100,21 +101,25 @@ def admit(
     transaction.
 
     ``logs`` given, the rate logs are not written here but kept in it, with the starts
-    logged per timer, for :func:`settle` to correct and write once the batch's handlers
-    started: the decision then costs two statements before they start on PostgreSQL
-    (read the batch's keyed rows and lock their keys; count), not four.
+    logged per timer, for :func:`settle` to correct and write in one statement once the
+    batch's handlers started: the decision then costs two statements before they start
+    on PostgreSQL (lock the keys and read the batch's keyed rows; count), not four.
     """
     by_key: dict[str, list[tuple[Any, ...]]] = {}
-    rows, locked = _keyed_and_locked(db, list(limits))
+    # Rates alone (a key's limits become its handler's): nothing reads the active count.
+    active = any(limit is not None for limit, _ in limits.values())
+    rows, locked, counts = _lock_and_count(db, list(limits), active=active)
     for row in rows:
         by_key.setdefault(row[1], []).append(row)
     if not by_key:  # none of them has a key (scheduled before its handler had one)
         return set()
     policies = {key: limits[group[0][0]] for key, group in by_key.items()}
     keys = _lock_keys(db, policies, locked)
-    # Rates alone (the keys' limits are the handlers' now): nothing reads the active count.
-    active = any(key.limit is not None for key in keys.values())
-    counts = _counts(db, sorted(by_key), list(limits), active=active)
+    if locked is None or any(n not in locked or n.startswith(_WORKFLOW) for n in by_key):
+        # Elsewhere than PostgreSQL; or a key's row created (and locked) just now, after
+        # the count; or a workflow's key (its runs hold slots too, which the pipelined
+        # count leaves out): count (again), under lock.
+        counts = _counts(db, sorted(by_key), list(limits), active=active)
     parked: list[int] = []
     admitted_in_line: dict[int, int] = {}
     woken: list[Woken] = []
@@ -223,15 +228,16 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
     Call in the transaction that records their end (or their cancel). Returns the
     timers made due (also announced by NOTIFY at commit).
     """
-    rows, locked = _keyed_and_locked(db, list(timer_ids), ended=True)
+    ids = list(timer_ids)
+    rows, locked, counts = _lock_and_count(db, ids, ended=True)
     names = sorted({row[1] for row in rows})
     if locked is None:
         return release_keys(db, names, now_ms, bucket_shift)
     # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
     keys = _lock_keys(db, dict.fromkeys(names), locked)
-    if not keys:
-        return []
-    return _wake_next(db, keys, _counts(db, sorted(keys), []), now_ms, bucket_shift)
+    if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
+        counts = _counts(db, sorted(keys), [])
+    return _wake_next(db, keys, counts, now_ms, bucket_shift)
 
 
 def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) -> list[Woken]:
@@ -305,41 +311,62 @@ def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
         return list(cursor.fetchall())
 
 
-def _keyed_and_locked(
-    db: str, ids: list[int], *, ended: bool = False
-) -> tuple[list[tuple[Any, ...]], dict[str, _Stored] | None]:
-    """:func:`_keyed_rows` of ``ids``, and on PostgreSQL their keys' rows locked as well.
+def _lock_and_count(
+    db: str, ids: list[int], *, ended: bool = False, active: bool = True
+) -> tuple[list[tuple[Any, ...]], dict[str, _Stored] | None, dict[str, tuple[int, int, int]]]:
+    """:func:`_keyed_rows` of ``ids``; on PostgreSQL their keys' rows locked and counted too.
 
-    One statement on PostgreSQL: the keyed rows joined to their key's row, locked in
-    name order (``FOR UPDATE OF`` the key; the timer rows are the transaction's own,
-    locked already). A timer whose key has no row yet is not in the join: it is read
-    apart, and :func:`_lock_keys` creates and locks its key; ``ended`` (:func:`release`)
-    it is not (nobody waits in a line no batch decided for). Elsewhere ``None``:
-    :func:`_lock_keys` locks. What holds a slot is counted by the caller, in a statement
-    of its own: a statement's snapshot is taken when it starts, before it waits for the
-    locks, so a count in this one would miss a commit made while it waited.
+    On PostgreSQL, two statements in one round trip (a pipeline), so that the decision
+    costs the batch one wait for the server before its handlers start, not three:
+
+    - the keyed rows joined to their key's row, locked in name order (``FOR UPDATE OF``
+      the key; the timer rows are the batch's, locked already). A timer whose key has no
+      row yet is not in the join: it is read apart, and :func:`_lock_keys` creates and
+      locks its key (the caller then counts again, under that lock);
+    - :func:`~durable.storage.key_counts.counts` of those keys (a handler's: a workflow's
+      key is counted again by the caller). The server runs it once the first has its
+      locks, and takes its snapshot then: it sees every commit made before the locks were
+      granted, as a second round trip would. One statement could not: its snapshot is
+      taken before it waits for the locks.
+
+    ``active``: as :func:`~durable.storage.key_counts.counts`'. ``ended``: ``ids`` ended
+    (:func:`release`): they are counted as they now are, not
+    left out as a batch's are; a timer whose key has no row is not read (nobody waits
+    in a line no batch decided for). Elsewhere (or with a driver that cannot pipeline)
+    the keyed rows alone, ``None`` and ``{}``: :func:`_lock_keys` locks and the caller
+    counts.
     """
-    if not ids or connections[db].vendor != "postgresql":
-        return _keyed_rows(db, ids), None
-    with statements.cursor(db) as cursor:
-        cursor.execute(
-            "SELECT t.id, t.concurrency_key, t.state, t.queued_ms, t.fire_at_ms, t.shard, "
-            "k.max_concurrency, k.rate_limit, k.recent FROM durable_timer t "
-            "JOIN durable_concurrencykey k ON k.name = t.concurrency_key "
-            "WHERE t.id = ANY(%s::bigint[]) ORDER BY k.name, t.id FOR UPDATE OF k",
-            [statements.int_array(ids)],
-        )
-        joined = cursor.fetchall()
+    conn = connections[db]
+    if not ids or conn.vendor != "postgresql" or not statements.can_pipeline():
+        return _keyed_rows(db, ids), None, {}
+    count_sql, count_args = key_counts.counts_sql(
+        conn.vendor, None, [] if ended else ids, workflow=False, keys_of=ids, active=active
+    )
+    # The cursors first: they open the connection the pipeline is entered on.
+    with statements.cursor(db) as lock, statements.cursor(db) as count:
+        with conn.wrap_database_errors, conn.connection.pipeline():
+            lock.execute(
+                "SELECT t.id, t.concurrency_key, t.state, t.queued_ms, t.fire_at_ms, "
+                "t.shard, k.max_concurrency, k.rate_limit, k.recent FROM durable_timer t "
+                "JOIN durable_concurrencykey k ON k.name = t.concurrency_key "
+                "WHERE t.id = ANY(%s::bigint[]) ORDER BY k.name, t.id FOR UPDATE OF k",
+                [statements.int_array(ids)],
+            )
+            count.execute(count_sql, count_args)
+        # Read once the pipeline is done (its end waits for both results): a fetch inside
+        # it would wait for them too, and the end would then cost a round trip of its own.
+        joined = lock.fetchall()
+        counted = key_counts.read(count.fetchall())
     rows = [row[:6] for row in joined]
     locked: dict[str, _Stored] = {}
     for row in joined:
         if row[1] not in locked:
             locked[row[1]] = (row[6], row[7], _json_list(row[8]))
     if ended:
-        return rows, locked
+        return rows, locked, counted
     found = {row[0] for row in rows}
     rest = [timer_id for timer_id in ids if timer_id not in found]
-    return rows + _keyed_rows(db, rest), locked
+    return rows + _keyed_rows(db, rest), locked, counted
 
 
 def _lock_keys(

@@ -1,9 +1,9 @@
 """What a keyed batch's decision costs before its handlers start, and what it still sees.
 
-On PostgreSQL the decision is two statements (the batch's keyed rows read and their keys
-locked, in one: :func:`durable.storage.concurrency._keyed_and_locked`; then counted) and
-the rate logs are written by :func:`~durable.storage.concurrency.settle`, after the
-handlers started. The count must still see every commit made before the lock was granted.
+On PostgreSQL the decision is two statements in one round trip (the keys locked, then
+counted: :func:`durable.storage.concurrency._lock_and_count`) and the rate logs are
+written by :func:`~durable.storage.concurrency.settle`, after the handlers started. The
+count must still see every commit made before the lock was granted.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def recent(timer: Timer) -> list[int]:
     return ConcurrencyKey.objects.get(name=timer.concurrency_key).recent
 
 
-def test_a_decision_is_two_statements_and_writes_nothing_before_the_handlers(clock):
+def test_a_decision_is_one_round_trip_and_writes_nothing_before_the_handlers(clock):
     timers = [durable.schedule(support.rated, args=[f"k{n % 4}", n]) for n in range(8)]
     now, rate = clock.now_ms(), parse_rate("100/s")
     limits = {timer.pk: (None, rate) for timer in timers}
@@ -45,7 +45,7 @@ def test_a_decision_is_two_statements_and_writes_nothing_before_the_handlers(clo
     statements = [query["sql"] for query in decided]
     assert not [sql for sql in statements if sql.lstrip().upper().startswith("UPDATE")]
     if connection.vendor == "postgresql":
-        assert len(statements) == 2, statements  # the rows and their keys' lock; the count
+        assert len(statements) == 2, statements  # the lock and the count, pipelined
         assert len(settled) == 1, "the four keys' logs in one statement"
     assert [recent(timer) for timer in timers[:4]] == [[now, now, now + 1, now + 1]] * 4
 
@@ -69,9 +69,9 @@ def test_kept_logs_take_back_a_start_the_batch_left_for_later(clock):
 
 def test_the_count_sees_the_commit_the_lock_waited_for(clock):
     # The slot's holder ends (and commits) while the decision waits for the key's lock:
-    # counted in the lock's own statement (its snapshot taken before the wait) or
-    # before it, the ended timer would still hold the slot and the new one would be
-    # parked, with no end left to wake it.
+    # counted in the lock's own statement (its snapshot taken before the wait), the
+    # ended timer would still hold the slot and the new one would be parked, with no
+    # end left to wake it.
     if connection.vendor != "postgresql":
         pytest.skip("needs PostgreSQL; `make test` runs it against one")
     first, second = (durable.schedule(support.gated, args=["acme", n]) for n in (1, 2))
