@@ -102,8 +102,9 @@ def admit(
 
     ``logs`` given, the rate logs are not written here but kept in it, with the starts
     logged per timer, for :func:`settle` to correct and write in one statement once the
-    batch's handlers started: the decision then costs two statements before they start
-    on PostgreSQL (lock the keys and read the batch's keyed rows; count), not four.
+    batch's handlers started: the decision then costs one round trip before they start
+    on PostgreSQL (two statements in a pipeline: read the batch's keyed rows and lock
+    their keys; count), not four.
     """
     by_key: dict[str, list[tuple[Any, ...]]] = {}
     # Rates alone (a key's limits become its handler's): nothing reads the active count.
