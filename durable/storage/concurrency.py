@@ -37,11 +37,12 @@ from durable.core.ratelimit import Rate, parse_rate
 from durable.core.sharding import bucket_of
 from durable.limits import ConcurrencyKey
 from durable.models import TimerState
-from durable.storage import statements
+from durable.storage import key_counts, statements
 from durable.storage.key_counts import PARKED_MS as PARKED_MS
 from durable.storage.key_counts import counts as _counts
 from durable.storage.notify import notify_timers
 
+_WORKFLOW = key_counts.WORKFLOW_PREFIX
 _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
@@ -50,6 +51,9 @@ Limits = tuple[int | None, Rate | None]
 
 #: (shard, timer id, fire_at_ms) of a timer made due, for the owner's wheel.
 Woken = tuple[int, int, int]
+
+#: A key's row as stored: its limit, its rate's text and its rate log.
+_Stored = tuple[int | None, str, list[int]]
 
 
 class _Key:
@@ -84,6 +88,7 @@ def admit(
     now_ms: int,
     bucket_shift: int,
     from_line: dict[int, int] | None = None,
+    logs: Logs | None = None,
 ) -> set[int]:
     """Decide admission for a batch's keyed timers; park those over their key's limits.
 
@@ -94,12 +99,28 @@ def admit(
     line are added to ``from_line``, with their place (``queued_ms``): they stay in it
     until :func:`settle` says whether they started. Call inside the batch's fenced
     transaction.
+
+    ``logs`` given, the rate logs are not written here but kept in it, with the starts
+    logged per timer, for :func:`settle` to correct and write in one statement once the
+    batch's handlers started: the decision then costs one round trip before they start
+    on PostgreSQL (two statements in a pipeline: read the batch's keyed rows and lock
+    their keys; count), not four.
     """
     by_key: dict[str, list[tuple[Any, ...]]] = {}
-    for row in _keyed_rows(db, list(limits)):
+    # Rates alone (a key's limits become its handler's): nothing reads the active count.
+    active = any(limit is not None for limit, _ in limits.values())
+    rows, locked, counts = _lock_and_count(db, list(limits), active=active)
+    for row in rows:
         by_key.setdefault(row[1], []).append(row)
-    keys = _lock_keys(db, {key: limits[group[0][0]] for key, group in by_key.items()})
-    counts = _counts(db, sorted(by_key), list(limits))
+    if not by_key:  # none of them has a key (scheduled before its handler had one)
+        return set()
+    policies = {key: limits[group[0][0]] for key, group in by_key.items()}
+    keys = _lock_keys(db, policies, locked)
+    if locked is None or any(n not in locked or n.startswith(_WORKFLOW) for n in by_key):
+        # Elsewhere than PostgreSQL; or a key's row created (and locked) just now, after
+        # the count; or a workflow's key (its runs hold slots too, which the pipelined
+        # count leaves out): count (again), under lock.
+        counts = _counts(db, sorted(by_key), list(limits), active=active)
     parked: list[int] = []
     admitted_in_line: dict[int, int] = {}
     woken: list[Woken] = []
@@ -120,6 +141,8 @@ def admit(
                 if state != _FIRING:
                     room -= 1
                     key.started(now_ms)
+                    if logs is not None and key.rate is not None:
+                        logs.started[timer_id] = name
                 if queued_ms is not None:
                     admitted_in_line[timer_id] = queued_ms
             else:
@@ -128,14 +151,31 @@ def admit(
         parked += parked_here
         waiting += len(parked_here)
         woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
-    _save_logs(db, keys)
+    if logs is None:
+        _save_logs(db, keys)
+    else:
+        logs.keys.update(keys)
     if from_line is not None:
         from_line.update(admitted_in_line)
     notify_timers(db, woken)
     return set(parked)
 
 
-def settle(db: str, started: list[int], left: list[int], now_ms: int) -> None:
+class Logs:
+    """The rate logs :func:`admit` changed and has not written yet (see its ``logs``)."""
+
+    __slots__ = ("keys", "started")
+
+    def __init__(self) -> None:
+        self.keys: dict[str, _Key] = {}
+        """The keys decided for, locked by the transaction, with their logs as changed."""
+        self.started: dict[int, str] = {}
+        """Timers whose start a rate logged at ``now_ms``, with their key's name."""
+
+
+def settle(
+    db: str, started: list[int], left: list[int], now_ms: int, logs: Logs | None = None
+) -> None:
     """After :func:`admit`, once the batch knows which admitted timers it ran.
 
     ``started``: admitted timers that waited in line and started (or ended): they leave
@@ -144,9 +184,15 @@ def settle(db: str, started: list[int], left: list[int], now_ms: int) -> None:
     take the one their due time gives them, and hold their slot until they start, as a
     woken timer does; the starts :func:`admit` logged for them at ``now_ms`` are taken
     back, so a rate does not count them until they do start. In the batch transaction,
-    before anything of the batch calls :func:`release`.
+    before anything of the batch calls :func:`release`. With the ``logs`` :func:`admit`
+    kept, the correction is made on them (the keys are still locked) and they are written.
     """
     _leave_line(db, started)
+    if logs is not None:
+        for timer_id in left:
+            if timer_id in logs.started:
+                _unlog(logs.keys[logs.started[timer_id]], now_ms)
+        _save_logs(db, logs.keys)
     if not left:
         return
     vendor = connections[db].vendor
@@ -157,6 +203,8 @@ def settle(db: str, started: list[int], left: list[int], now_ms: int) -> None:
             f"WHERE {where} AND state = %s",
             [*params, _PENDING],
         )
+    if logs is not None:
+        return
     per_key: dict[str, int] = {}
     for row in _keyed_rows(db, left):
         if row[2] == _PENDING:  # a claim re-run (firing) logged no start here
@@ -164,10 +212,15 @@ def settle(db: str, started: list[int], left: list[int], now_ms: int) -> None:
     keys = _lock_keys(db, {name: None for name in per_key})
     for name, key in keys.items():
         for _ in range(per_key[name] if key.rate is not None else 0):
-            if now_ms in key.log:  # the last start logged at now_ms: admit's, for this one
-                del key.log[len(key.log) - 1 - key.log[::-1].index(now_ms)]
-                key.logged = True
+            _unlog(key, now_ms)
     _save_logs(db, keys)
+
+
+def _unlog(key: _Key, now_ms: int) -> None:
+    """Take back one start logged at ``now_ms``: admit's, for a timer left for later."""
+    if now_ms in key.log:  # the last one logged at now_ms
+        del key.log[len(key.log) - 1 - key.log[::-1].index(now_ms)]
+        key.logged = True
 
 
 def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -> list[Woken]:
@@ -176,8 +229,16 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
     Call in the transaction that records their end (or their cancel). Returns the
     timers made due (also announced by NOTIFY at commit).
     """
-    names = sorted({row[1] for row in _keyed_rows(db, list(timer_ids))})
-    return release_keys(db, names, now_ms, bucket_shift)
+    ids = list(timer_ids)
+    rows, locked, counts = _lock_and_count(db, ids, ended=True)
+    names = sorted({row[1] for row in rows})
+    if locked is None:
+        return release_keys(db, names, now_ms, bucket_shift)
+    # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
+    keys = _lock_keys(db, dict.fromkeys(names), locked)
+    if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
+        counts = _counts(db, sorted(keys), [])
+    return _wake_next(db, keys, counts, now_ms, bucket_shift)
 
 
 def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) -> list[Woken]:
@@ -189,8 +250,18 @@ def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) 
     keys = _lock_keys(db, {name: None for name in names})
     if not keys:  # no batch ever decided for them: nobody waits in their line
         return []
+    return _wake_next(db, keys, _counts(db, sorted(keys), []), now_ms, bucket_shift)
+
+
+def _wake_next(
+    db: str,
+    keys: Mapping[str, _Key],
+    counts: Mapping[str, tuple[int, int, int]],
+    now_ms: int,
+    bucket_shift: int,
+) -> list[Woken]:
+    """:func:`_next_in_line` of each locked key, by name, with its ``counts``; announced."""
     woken: list[Woken] = []
-    counts = _counts(db, sorted(keys), [])
     for name, key in sorted(keys.items()):
         active, reserved, waiting = counts[name]
         free = (key.free(active, reserved), reserved, waiting)
@@ -241,15 +312,80 @@ def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
         return list(cursor.fetchall())
 
 
-def _lock_keys(db: str, policies: Mapping[str, Limits | None]) -> dict[str, _Key]:
+def _lock_and_count(
+    db: str, ids: list[int], *, ended: bool = False, active: bool = True
+) -> tuple[list[tuple[Any, ...]], dict[str, _Stored] | None, dict[str, tuple[int, int, int]]]:
+    """:func:`_keyed_rows` of ``ids``; on PostgreSQL their keys' rows locked and counted too.
+
+    On PostgreSQL, two statements in one round trip (a pipeline), so that the decision
+    costs the batch one wait for the server before its handlers start, not three:
+
+    - the keyed rows joined to their key's row, locked in name order (``FOR UPDATE OF``
+      the key; the timer rows are the batch's, locked already). A timer whose key has no
+      row yet is not in the join: it is read apart, and :func:`_lock_keys` creates and
+      locks its key (the caller then counts again, under that lock);
+    - :func:`~durable.storage.key_counts.counts` of those keys (a handler's: a workflow's
+      key is counted again by the caller). The server runs it once the first has its
+      locks, and takes its snapshot then: it sees every commit made before the locks were
+      granted, as a second round trip would. One statement could not: its snapshot is
+      taken before it waits for the locks.
+
+    ``active``: as :func:`~durable.storage.key_counts.counts`'. ``ended``: ``ids`` ended
+    (:func:`release`): they are counted as they now are, not
+    left out as a batch's are; a timer whose key has no row is not read (nobody waits
+    in a line no batch decided for). Elsewhere (or with a driver that cannot pipeline)
+    the keyed rows alone, ``None`` and ``{}``: :func:`_lock_keys` locks and the caller
+    counts.
+    """
+    conn = connections[db]
+    if not ids or conn.vendor != "postgresql" or not statements.can_pipeline():
+        return _keyed_rows(db, ids), None, {}
+    count_sql, count_args = key_counts.counts_sql(
+        conn.vendor, None, [] if ended else ids, workflow=False, keys_of=ids, active=active
+    )
+    # The cursors first: they open the connection the pipeline is entered on.
+    with statements.cursor(db) as lock, statements.cursor(db) as count:
+        with conn.wrap_database_errors, conn.connection.pipeline():
+            lock.execute(
+                "SELECT t.id, t.concurrency_key, t.state, t.queued_ms, t.fire_at_ms, "
+                "t.shard, k.max_concurrency, k.rate_limit, k.recent FROM durable_timer t "
+                "JOIN durable_concurrencykey k ON k.name = t.concurrency_key "
+                "WHERE t.id = ANY(%s::bigint[]) ORDER BY k.name, t.id FOR UPDATE OF k",
+                [statements.int_array(ids)],
+            )
+            count.execute(count_sql, count_args)
+        # Read once the pipeline is done (its end waits for both results): a fetch inside
+        # it would wait for them too, and the end would then cost a round trip of its own.
+        joined = lock.fetchall()
+        counted = key_counts.read(count.fetchall())
+    rows = [row[:6] for row in joined]
+    locked: dict[str, _Stored] = {}
+    for row in joined:
+        if row[1] not in locked:
+            locked[row[1]] = (row[6], row[7], _json_list(row[8]))
+    if ended:
+        return rows, locked, counted
+    found = {row[0] for row in rows}
+    rest = [timer_id for timer_id in ids if timer_id not in found]
+    return rows + _keyed_rows(db, rest), locked, counted
+
+
+def _lock_keys(
+    db: str, policies: Mapping[str, Limits | None], locked: dict[str, _Stored] | None = None
+) -> dict[str, _Key]:
     """Lock the rows of ``policies``' keys in name order and return them.
 
     A policy (admission) creates a missing row and updates its limits to the handler's
     current ones; ``None`` (an end) reads the stored ones. Rows are never deleted, so the
     insert is only tried for names the lock did not find (once per key, in practice).
+    ``locked``: the rows this transaction locked already (:func:`_keyed_and_locked`);
+    only the others are looked for.
     """
     names = sorted(policies)
-    rows = _locked(db, names)
+    if locked is None:
+        rows = _locked(db, names)
+    else:
+        rows = {name: locked[name] for name in names if name in locked}
     missing = [name for name in names if name not in rows and policies[name] is not None]
     if missing:
         new = []
@@ -270,7 +406,7 @@ def _lock_keys(db: str, policies: Mapping[str, Limits | None]) -> dict[str, _Key
     return keys
 
 
-def _locked(db: str, names: list[str]) -> dict[str, tuple[int | None, str, list[int]]]:
+def _locked(db: str, names: list[str]) -> dict[str, _Stored]:
     """Lock the existing rows of ``names`` (in name order); their limits and rate log."""
     conn = connections[db]
     if conn.vendor == "postgresql":

@@ -237,7 +237,12 @@ def mark_fired(
             f"last_error = '' WHERE {where} AND {_NOT_FINISHED}",
             [_FIRED, *token_params, when, when, *params, *_FINISHED],
         )
-    for timer_id, result in (results or {}).items():
+    store_results(db, results or {})
+
+
+def store_results(db: str, results: Mapping[int, Any]) -> None:
+    """Store the results of fired timers (an ``on_complete`` reads its timer's)."""
+    for timer_id, result in results.items():
         Timer.objects.using(db).filter(id=timer_id).update(result=result)
 
 

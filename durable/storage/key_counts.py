@@ -28,19 +28,54 @@ _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
 
-def counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int, int, int]]:
+def counts(
+    db: str, names: list[str], exclude: list[int], *, active: bool = True
+) -> dict[str, tuple[int, int, int]]:
     """Per key: (active, woken and not started yet, 1 if any is parked else 0), leaving the
     timers ``exclude`` out. One statement for all keys.
 
-    A key with a million timers due next month costs nothing here.
+    A key with a million timers due next month costs nothing here. ``active=False``: the
+    caller needs no active count (none of the keys has a ``max_concurrency``, only a
+    rate): it is given as 0, and not read.
     """
     vendor = connections[db].vendor
+    workflow = any(name.startswith(WORKFLOW_PREFIX) for name in names)
+    sql, args = counts_sql(vendor, names, exclude, workflow=workflow, active=active)
+    with statements.cursor(db) as cursor:
+        cursor.execute(sql, args)
+        return read(cursor.fetchall())
+
+
+def read(rows: list[tuple[str, int, int, int]]) -> dict[str, tuple[int, int, int]]:
+    """:func:`counts` of the rows of a :func:`counts_sql` statement."""
+    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}
+
+
+def counts_sql(
+    vendor: str,
+    names: list[str] | None,
+    exclude: list[int],
+    *,
+    workflow: bool,
+    keys_of: list[int] | None = None,
+    active: bool = True,
+) -> tuple[str, list[object]]:
+    """The statement of :func:`counts`, and its parameters.
+
+    ``names`` ``None`` (PostgreSQL only): the keys of the timers ``keys_of`` (by default
+    ``exclude``), read by the statement itself, so that it can be sent before the caller
+    knows them (pipelined behind the statement that locks them). ``workflow``: some key
+    is a workflow's (``workflow:`` prefix); its runs are counted too. ``active``: as
+    :func:`counts`' (``False``: given as 0).
+    """
     where, params = statements.in_clause(vendor, exclude or [0])
     mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
     line = f"{mine} AND t.state = %s AND t.queued_ms IS NOT NULL"
     firing = f"(SELECT count(*) {mine} AND t.state = %s)"
     firing_args = [*params, _FIRING]
-    if any(name.startswith(WORKFLOW_PREFIX) for name in names):
+    if not active:
+        firing, firing_args = "0", []
+    elif workflow:
         holding = ", ".join(["%s"] * len(HOLDING))
         runs = (
             "FROM durable_workflowrun r WHERE r.concurrency_key = k.name "
@@ -61,14 +96,18 @@ def counts(db: str, names: list[str], exclude: list[int]) -> dict[str, tuple[int
         *(*params, _PENDING, PARKED_MS),
         *(*params, _PENDING, PARKED_MS),
     ]
-    if vendor == "postgresql":
+    if names is None:
+        of, of_params = statements.in_clause(vendor, exclude if keys_of is None else keys_of)
+        sql = (
+            f"SELECT k.name, {parts} FROM (SELECT DISTINCT concurrency_key AS name "
+            f"FROM durable_timer WHERE {of} AND concurrency_key IS NOT NULL) AS k"
+        )
+        args.extend(of_params)
+    elif vendor == "postgresql":
         sql = f"SELECT k.name, {parts} FROM unnest(%s::text[]) AS k(name)"
         args.append(names)
     else:
         keys = " UNION ALL ".join(["SELECT %s AS name"] * len(names))
         sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
         args.extend(names)
-    with statements.cursor(db) as cursor:
-        cursor.execute(sql, args)
-        rows = cursor.fetchall()
-    return {name: (int(a), int(r), int(w)) for name, a, r, w in rows}
+    return sql, args

@@ -19,7 +19,9 @@ statements still show in ``connection.queries`` and in ``CaptureQueriesContext``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import functools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -118,3 +120,32 @@ def int_array(values: Iterable[int]) -> str:
     showed up at ~10% of the fire path.
     """
     return "{" + ",".join(map(str, map(int, values))) + "}"
+
+
+@functools.cache
+def can_pipeline() -> bool:
+    """Whether the PostgreSQL driver sends pipelines (psycopg 3 on libpq 14 or later)."""
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg2
+        return False
+    return bool(psycopg.Pipeline.is_supported())
+
+
+@contextlib.contextmanager
+def pipelined(db: str) -> Iterator[None]:
+    """Send the statements of the block together: one round trip, not one each.
+
+    On PostgreSQL (psycopg's pipeline mode): a statement's results are waited for only
+    when read (a fetch), or at the end of the block, where an error of any of them is
+    raised. Each still runs as a statement of its own, in order, with its own snapshot.
+    For statements whose results nobody reads (``rowcount`` included); elsewhere, or
+    with a driver that cannot pipeline, the block runs as it is.
+    """
+    conn = connections[db]
+    if conn.vendor != "postgresql" or not can_pipeline():
+        yield
+        return
+    conn.ensure_connection()
+    with conn.wrap_database_errors, conn.connection.pipeline():
+        yield

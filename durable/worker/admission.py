@@ -27,15 +27,19 @@ class Admitted:
     """Every admitted timer of a limited handler."""
     from_line: dict[int, int] = field(default_factory=dict)
     """Those of them that waited in their key's line, with their place (``queued_ms``)."""
+    logs: concurrency.Logs = field(default_factory=concurrency.Logs)
+    """The rate logs the decision changed, written by :meth:`settle` (after the handlers
+    started: writing them is no part of the time a timer waits for its handler)."""
 
     def settle(self, db: str, left: set[int], now_ms: int) -> None:
         """The batch ran all but ``left``: see :func:`durable.storage.concurrency.settle`.
 
-        No query when no timer of the batch was admitted by a key.
+        No query when no timer of the batch was admitted by a key; one (the rate logs) when
+        none of them waited in line.
         """
         if self.ids:
             started = sorted(set(self.from_line) - left)
-            concurrency.settle(db, started, sorted(self.ids & left), now_ms)
+            concurrency.settle(db, started, sorted(self.ids & left), now_ms, self.logs)
 
 
 def admit(
@@ -74,7 +78,7 @@ def admit(
     limits.update(_run_limits(db, starts))
     if not limits:
         return due
-    parked = concurrency.admit(db, limits, now_ms, bucket_shift, admitted.from_line)
+    parked = concurrency.admit(db, limits, now_ms, bucket_shift, admitted.from_line, admitted.logs)
     admitted.ids.update(timer_id for timer_id in limits if timer_id not in parked)
     due = [timer for timer in due if timer.id not in parked] if parked else due
     if admitted.from_line:

@@ -30,6 +30,13 @@ TTL = {"DURABLE_LEASE_TTL_S": "3"}  # a quick takeover after the kill
 
 
 @pytest.fixture
+def workers(routed_workers):
+    """Run twice: workers connected directly, then through PgBouncer in transaction mode
+    (the keyed decision sends its lock and count in one pipeline)."""
+    return routed_workers
+
+
+@pytest.fixture
 def slots():
     with connection.cursor() as cursor:
         cursor.execute(

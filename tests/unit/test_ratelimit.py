@@ -43,3 +43,35 @@ def test_the_window_holds_over_every_window_not_just_on_average():
     assert rate.room(log, 1_000) == 3
     log = rate.record(log, 1_000)
     assert log == [0, 0, 1_000], "only the last N starts are kept"
+
+
+def test_the_log_forgets_starts_older_than_two_periods():
+    # Written back by every batch that starts one: a key far under its rate keeps only
+    # what can still count, not its last N starts (bench/concurrency.py: 200 → ~80).
+    rate = parse_rate("200/s")
+    log: list[int] = []
+    for at in range(0, 10_000, 25):  # 40 starts a second
+        log = rate.record(log, at)
+    assert log[0] > 9_975 - 2_000
+    assert len(log) == 80
+
+
+def test_forgetting_old_starts_changes_no_decision():
+    # The same decisions as a log of the last N starts, for clocks up to a period behind.
+    import random
+
+    rng = random.Random(7)
+    for text in ("3/s", "5/m", "50/s"):
+        rate = parse_rate(text)
+        full: list[int] = []
+        pruned: list[int] = []
+        now = 0
+        for _ in range(2_000):
+            now += rng.randrange(0, rate.period_ms // 2)
+            for at in (now, now - rng.randrange(0, rate.period_ms + 1)):
+                assert rate.room(pruned, at) == rate.room(full, at)
+                if rate.room(full, at) == 0:
+                    assert rate.next_ms(pruned) == rate.next_ms(full)
+            if rate.room(full, now) > 0:
+                full = [*full, now][-rate.count :]
+                pruned = rate.record(pruned, now)
