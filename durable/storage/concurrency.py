@@ -27,17 +27,14 @@ Lock order: timer rows (the batch's, or the completing one), then key rows by na
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import connections
 
-from durable.core.ratelimit import Rate, parse_rate
 from durable.core.sharding import bucket_of
-from durable.limits import ConcurrencyKey
 from durable.models import TimerState
-from durable.storage import key_counts, statements
+from durable.storage import key_counts, key_rows, statements
 from durable.storage.key_counts import PARKED_MS as PARKED_MS
 from durable.storage.key_counts import counts as _counts
 from durable.storage.notify import notify_timers
@@ -47,39 +44,10 @@ _PENDING = TimerState.PENDING.value
 _FIRING = TimerState.FIRING.value
 
 #: A handler's ``(max_concurrency, rate)``: either may be ``None`` (no such limit).
-Limits = tuple[int | None, Rate | None]
+Limits = key_rows.Limits
 
 #: (shard, timer id, fire_at_ms) of a timer made due, for the owner's wheel.
 Woken = tuple[int, int, int]
-
-#: A key's row as stored: its limit, its rate's text and its rate log.
-_Stored = tuple[int | None, str, list[int]]
-
-
-class _Key:
-    """One locked key's limits and state while a transaction decides for it."""
-
-    def __init__(self, limit: int | None, rate: Rate | None, log: list[int]) -> None:
-        self.limit = limit
-        self.rate = rate
-        self.log = log
-        self.logged = False  # the log changed: write it back
-
-    def free(self, active: int, reserved: int) -> float:
-        """Slots free for new starts (infinite without ``max_concurrency``)."""
-        return INFINITE if self.limit is None else self.limit - active - reserved
-
-    def room(self, now_ms: int) -> float:
-        """Starts the rate allows at ``now_ms`` (infinite without a rate)."""
-        return INFINITE if self.rate is None else self.rate.room(self.log, now_ms)
-
-    def started(self, now_ms: int) -> None:
-        if self.rate is not None:
-            self.log = self.rate.record(self.log, now_ms)
-            self.logged = True
-
-
-INFINITE = float("inf")
 
 
 def admit(
@@ -109,13 +77,13 @@ def admit(
     by_key: dict[str, list[tuple[Any, ...]]] = {}
     # Rates alone (a key's limits become its handler's): nothing reads the active count.
     active = any(limit is not None for limit, _ in limits.values())
-    rows, locked, counts = _lock_and_count(db, list(limits), active=active)
+    rows, locked, counts = key_rows.lock_and_count(db, list(limits), active=active)
     for row in rows:
         by_key.setdefault(row[1], []).append(row)
     if not by_key:  # none of them has a key (scheduled before its handler had one)
         return set()
     policies = {key: limits[group[0][0]] for key, group in by_key.items()}
-    keys = _lock_keys(db, policies, locked)
+    keys = key_rows.lock_keys(db, policies, locked)
     if locked is None or any(n not in locked or n.startswith(_WORKFLOW) for n in by_key):
         # Elsewhere than PostgreSQL; or a key's row created (and locked) just now, after
         # the count; or a workflow's key (its runs hold slots too, which the pipelined
@@ -152,7 +120,7 @@ def admit(
         waiting += len(parked_here)
         woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
     if logs is None:
-        _save_logs(db, keys)
+        key_rows.save_logs(db, keys)
     else:
         logs.keys.update(keys)
     if from_line is not None:
@@ -167,7 +135,7 @@ class Logs:
     __slots__ = ("keys", "started")
 
     def __init__(self) -> None:
-        self.keys: dict[str, _Key] = {}
+        self.keys: dict[str, key_rows.Key] = {}
         """The keys decided for, locked by the transaction, with their logs as changed."""
         self.started: dict[int, str] = {}
         """Timers whose start a rate logged at ``now_ms``, with their key's name."""
@@ -192,7 +160,7 @@ def settle(
         for timer_id in left:
             if timer_id in logs.started:
                 _unlog(logs.keys[logs.started[timer_id]], now_ms)
-        _save_logs(db, logs.keys)
+        key_rows.save_logs(db, logs.keys)
     if not left:
         return
     vendor = connections[db].vendor
@@ -206,17 +174,17 @@ def settle(
     if logs is not None:
         return
     per_key: dict[str, int] = {}
-    for row in _keyed_rows(db, left):
+    for row in key_rows.keyed_rows(db, left):
         if row[2] == _PENDING:  # a claim re-run (firing) logged no start here
             per_key[row[1]] = per_key.get(row[1], 0) + 1
-    keys = _lock_keys(db, {name: None for name in per_key})
+    keys = key_rows.lock_keys(db, {name: None for name in per_key})
     for name, key in keys.items():
         for _ in range(per_key[name] if key.rate is not None else 0):
             _unlog(key, now_ms)
-    _save_logs(db, keys)
+    key_rows.save_logs(db, keys)
 
 
-def _unlog(key: _Key, now_ms: int) -> None:
+def _unlog(key: key_rows.Key, now_ms: int) -> None:
     """Take back one start logged at ``now_ms``: admit's, for a timer left for later."""
     if now_ms in key.log:  # the last one logged at now_ms
         del key.log[len(key.log) - 1 - key.log[::-1].index(now_ms)]
@@ -230,12 +198,12 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
     timers made due (also announced by NOTIFY at commit).
     """
     ids = list(timer_ids)
-    rows, locked, counts = _lock_and_count(db, ids, ended=True)
+    rows, locked, counts = key_rows.lock_and_count(db, ids, ended=True)
     names = sorted({row[1] for row in rows})
     if locked is None:
         return release_keys(db, names, now_ms, bucket_shift)
     # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
-    keys = _lock_keys(db, dict.fromkeys(names), locked)
+    keys = key_rows.lock_keys(db, dict.fromkeys(names), locked)
     if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
         counts = _counts(db, sorted(keys), [])
     return _wake_next(db, keys, counts, now_ms, bucket_shift)
@@ -247,7 +215,7 @@ def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) 
     names = sorted(set(names))
     if not names:
         return []
-    keys = _lock_keys(db, {name: None for name in names})
+    keys = key_rows.lock_keys(db, {name: None for name in names})
     if not keys:  # no batch ever decided for them: nobody waits in their line
         return []
     return _wake_next(db, keys, _counts(db, sorted(keys), []), now_ms, bucket_shift)
@@ -255,7 +223,7 @@ def release_keys(db: str, names: Iterable[str], now_ms: int, bucket_shift: int) 
 
 def _wake_next(
     db: str,
-    keys: Mapping[str, _Key],
+    keys: Mapping[str, key_rows.Key],
     counts: Mapping[str, tuple[int, int, int]],
     now_ms: int,
     bucket_shift: int,
@@ -273,7 +241,7 @@ def _wake_next(
 def _next_in_line(
     db: str,
     name: str,
-    key: _Key,
+    key: key_rows.Key,
     counts: tuple[float, int, int],
     now_ms: int,
     bucket_shift: int,
@@ -296,161 +264,6 @@ def _next_in_line(
     if room > 0:
         return _wake(db, name, int(min(free, room)), now_ms, bucket_shift)
     return _wake(db, name, 1, key.rate.next_ms(key.log), bucket_shift)
-
-
-def _keyed_rows(db: str, ids: list[int]) -> list[tuple[Any, ...]]:
-    """``(id, concurrency_key, state, queued_ms, fire_at_ms, shard)`` of the keyed ``ids``."""
-    if not ids:
-        return []
-    where, params = statements.in_clause(connections[db].vendor, ids)
-    with statements.cursor(db) as cursor:
-        cursor.execute(
-            "SELECT id, concurrency_key, state, queued_ms, fire_at_ms, shard FROM durable_timer "
-            f"WHERE {where} AND concurrency_key IS NOT NULL",
-            params,
-        )
-        return list(cursor.fetchall())
-
-
-def _lock_and_count(
-    db: str, ids: list[int], *, ended: bool = False, active: bool = True
-) -> tuple[list[tuple[Any, ...]], dict[str, _Stored] | None, dict[str, tuple[int, int, int]]]:
-    """:func:`_keyed_rows` of ``ids``; on PostgreSQL their keys' rows locked and counted too.
-
-    On PostgreSQL, two statements in one round trip (a pipeline), so that the decision
-    costs the batch one wait for the server before its handlers start, not three:
-
-    - the keyed rows joined to their key's row, locked in name order (``FOR UPDATE OF``
-      the key; the timer rows are the batch's, locked already). A timer whose key has no
-      row yet is not in the join: it is read apart, and :func:`_lock_keys` creates and
-      locks its key (the caller then counts again, under that lock);
-    - :func:`~durable.storage.key_counts.counts` of those keys (a handler's: a workflow's
-      key is counted again by the caller). The server runs it once the first has its
-      locks, and takes its snapshot then: it sees every commit made before the locks were
-      granted, as a second round trip would. One statement could not: its snapshot is
-      taken before it waits for the locks.
-
-    ``active``: as :func:`~durable.storage.key_counts.counts`'. ``ended``: ``ids`` ended
-    (:func:`release`): they are counted as they now are, not
-    left out as a batch's are; a timer whose key has no row is not read (nobody waits
-    in a line no batch decided for). Elsewhere (or with a driver that cannot pipeline)
-    the keyed rows alone, ``None`` and ``{}``: :func:`_lock_keys` locks and the caller
-    counts.
-    """
-    conn = connections[db]
-    if not ids or conn.vendor != "postgresql" or not statements.can_pipeline():
-        return _keyed_rows(db, ids), None, {}
-    count_sql, count_args = key_counts.counts_sql(
-        conn.vendor, None, [] if ended else ids, workflow=False, keys_of=ids, active=active
-    )
-    # The cursors first: they open the connection the pipeline is entered on.
-    with statements.cursor(db) as lock, statements.cursor(db) as count:
-        with conn.wrap_database_errors, conn.connection.pipeline():
-            lock.execute(
-                "SELECT t.id, t.concurrency_key, t.state, t.queued_ms, t.fire_at_ms, "
-                "t.shard, k.max_concurrency, k.rate_limit, k.recent FROM durable_timer t "
-                "JOIN durable_concurrencykey k ON k.name = t.concurrency_key "
-                "WHERE t.id = ANY(%s::bigint[]) ORDER BY k.name, t.id FOR UPDATE OF k",
-                [statements.int_array(ids)],
-            )
-            count.execute(count_sql, count_args)
-        # Read once the pipeline is done (its end waits for both results): a fetch inside
-        # it would wait for them too, and the end would then cost a round trip of its own.
-        joined = lock.fetchall()
-        counted = key_counts.read(count.fetchall())
-    rows = [row[:6] for row in joined]
-    locked: dict[str, _Stored] = {}
-    for row in joined:
-        if row[1] not in locked:
-            locked[row[1]] = (row[6], row[7], _json_list(row[8]))
-    if ended:
-        return rows, locked, counted
-    found = {row[0] for row in rows}
-    rest = [timer_id for timer_id in ids if timer_id not in found]
-    return rows + _keyed_rows(db, rest), locked, counted
-
-
-def _lock_keys(
-    db: str, policies: Mapping[str, Limits | None], locked: dict[str, _Stored] | None = None
-) -> dict[str, _Key]:
-    """Lock the rows of ``policies``' keys in name order and return them.
-
-    A policy (admission) creates a missing row and updates its limits to the handler's
-    current ones; ``None`` (an end) reads the stored ones. Rows are never deleted, so the
-    insert is only tried for names the lock did not find (once per key, in practice).
-    ``locked``: the rows this transaction locked already (:func:`_keyed_and_locked`);
-    only the others are looked for.
-    """
-    names = sorted(policies)
-    if locked is None:
-        rows = _locked(db, names)
-    else:
-        rows = {name: locked[name] for name in names if name in locked}
-    missing = [name for name in names if name not in rows and policies[name] is not None]
-    if missing:
-        new = []
-        for name in missing:
-            limit, rate = _limits(policies[name])  # type: ignore[arg-type]
-            new.append(ConcurrencyKey(name=name, max_concurrency=limit, rate_limit=rate))
-        ConcurrencyKey.objects.using(db).bulk_create(new, ignore_conflicts=True)
-        rows.update(_locked(db, missing))
-    keys = {}
-    for name, (limit, rate, log) in rows.items():
-        policy = policies[name]
-        if policy is not None and _limits(policy) != (limit, rate):
-            limit, rate = _limits(policy)
-            ConcurrencyKey.objects.using(db).filter(name=name).update(
-                max_concurrency=limit, rate_limit=rate
-            )
-        keys[name] = _Key(limit, parse_rate(rate) if rate else None, log)
-    return keys
-
-
-def _locked(db: str, names: list[str]) -> dict[str, _Stored]:
-    """Lock the existing rows of ``names`` (in name order); their limits and rate log."""
-    conn = connections[db]
-    if conn.vendor == "postgresql":
-        where, params = "name = ANY(%s::text[])", [list(names)]
-    else:
-        where, params = f"name IN ({', '.join(['%s'] * len(names))})", list(names)
-    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
-    with statements.cursor(db) as cursor:
-        cursor.execute(
-            "SELECT name, max_concurrency, rate_limit, recent FROM durable_concurrencykey "
-            f"WHERE {where} ORDER BY name{lock}",
-            params,
-        )
-        rows = cursor.fetchall()
-    return {name: (limit, rate, _json_list(log)) for name, limit, rate, log in rows}
-
-
-def _json_list(value: Any) -> list[int]:
-    # JSON columns arrive as text on every backend (see durable.storage.firing._json).
-    return list(json.loads(value) if isinstance(value, str | bytes) else value or [])
-
-
-def _limits(limits: Limits) -> tuple[int | None, str]:
-    """As stored: the limit, and the rate's text (``""`` for none)."""
-    return limits[0], "" if limits[1] is None else limits[1].text
-
-
-def _save_logs(db: str, keys: Mapping[str, _Key]) -> None:
-    """Write back the rate logs that changed (one statement on PostgreSQL)."""
-    changed = sorted((name, json.dumps(key.log)) for name, key in keys.items() if key.logged)
-    if not changed:
-        return
-    with statements.cursor(db) as cursor:
-        if connections[db].vendor == "postgresql":
-            cursor.execute(
-                "UPDATE durable_concurrencykey AS k SET recent = v.log::jsonb "
-                "FROM unnest(%s::text[], %s::text[]) AS v(name, log) WHERE k.name = v.name",
-                [[name for name, _ in changed], [log for _, log in changed]],
-            )
-            return
-        for name, log in changed:
-            cursor.execute(
-                "UPDATE durable_concurrencykey SET recent = %s WHERE name = %s", [log, name]
-            )
 
 
 def _wake(db: str, key: str, count: int, due_ms: int, bucket_shift: int) -> list[Woken]:

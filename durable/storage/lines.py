@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from django.db import transaction
 
-from durable.storage import concurrency, leases, statements
+from durable.storage import concurrency, key_rows, leases, statements
 from durable.storage.key_counts import PARKED_MS
 from durable.storage.key_counts import counts as _counts
 from durable.storage.notify import notify_timers
@@ -91,7 +91,7 @@ def keep(
             policies = {
                 name: None if pending[name] == UNLIMITED else pending[name] for name in pending
             }
-            keys = concurrency._lock_keys(db, policies)
+            keys = key_rows.lock_keys(db, policies)
             limited = sorted(name for name in keys if policies[name] is not None)
             found = _counts(db, limited, []) if limited else {}
             now_woken: list[concurrency.Woken] = []

@@ -1,7 +1,7 @@
 """What a keyed batch's decision costs before its handlers start, and what it still sees.
 
 On PostgreSQL the decision is two statements in one round trip (the keys locked, then
-counted: :func:`durable.storage.concurrency._lock_and_count`) and the rate logs are
+counted: :func:`durable.storage.key_rows.lock_and_count`) and the rate logs are
 written by :func:`~durable.storage.concurrency.settle`, after the handlers started. The
 count must still see every commit made before the lock was granted.
 """
