@@ -132,7 +132,10 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     # in the same statement (the same snapshot), and what it sees that "due" did not
     # lock was locked by another session. A row that such a session changed and
     # committed between the snapshot and the lock (cancelled, say) also shows there:
-    # it is retried shortly and found not due then, which costs one more read.
+    # it is retried shortly and found not due then, which costs one more read. "seen" is
+    # read only when "due" locked fewer rows than were asked for (a CTE no part of the
+    # statement reads is not run): the ids come from the wheel at their time, so most
+    # batches are all due, and the second read cost 0.5 ms a batch of 500.
     sql = (
         "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
         "WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE), "
@@ -151,7 +154,8 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         "SELECT (SELECT ok FROM fenced), "
         "array(SELECT ARRAY[id, n, previous]::bigint[] FROM counted), "
         "array(SELECT id FROM counted WHERE suspect), array(SELECT id FROM held), "
-        f"array(SELECT id FROM seen EXCEPT SELECT id FROM due), {LAZY_COMMIT}"
+        "CASE WHEN (SELECT count(*) FROM due) < %s "
+        f"THEN array(SELECT id FROM seen EXCEPT SELECT id FROM due) END, {LAZY_COMMIT}"
     )
     with statements.cursor(db) as cursor:
         cursor.execute(
@@ -161,6 +165,7 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
                 *(_PENDING, *params),
                 *params,
                 *token_params,
+                len(set(ids)),
             ],
         )
         ok, counted, suspects, held, locked, _ = cursor.fetchone()
@@ -175,7 +180,7 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         held=set(held),
         attempts=attempts,
         previous=previous,
-        locked=set(locked),
+        locked=set(locked or ()),
     )
 
 
