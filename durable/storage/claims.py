@@ -62,6 +62,10 @@ class Counted:
     previous: dict[int, int | None] = field(default_factory=dict)
     """For each of ``ids``, its ``claim_token`` before the count (what :func:`uncount`
     puts back)."""
+    locked: set[int] = field(default_factory=set)
+    """Due timers another session held locked (PostgreSQL): not counted, not held, and
+    not to be taken for timers with every attempt used. The batch leaves them out and
+    their runner retries them shortly (:data:`durable.worker.firer.LOCKED_RETRY_MS`)."""
 
 
 def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:
@@ -75,6 +79,13 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
     recorded an outcome, most likely because it took its worker down. A suspect is
     counted only when it is the one timer due of ``ids``; among others it is *held*
     (:attr:`Counted.held`). On PostgreSQL one statement, committed asynchronously.
+
+    On PostgreSQL a due row another session holds locked (a transaction that cancelled
+    or rescheduled it and is still open, ``select_for_update()`` in app code) is skipped,
+    not waited for: it is reported in :attr:`Counted.locked`, whatever its attempts, and
+    nothing else is decided about it. Waiting held the worker's whole fire loop (every
+    other shard of the batch, lease renewal included) for as long as that transaction
+    lasted. SQLite has one writer and no row locks: nothing is ever skipped there.
     """
     conn = connections[db]
     shards = sorted(tokens)
@@ -107,29 +118,57 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
             attempts={r[0]: r[2] for r in rows},
             previous={r[0]: r[3] for r in rows},
         )
+    select_all = (
+        f"SELECT id, state = %s AND claim_token IS NOT NULL AS suspect, attempts + 1 AS n, "
+        "claim_token AS previous, attempts < max_attempts AS countable FROM durable_timer "
+        f"WHERE {where}"
+    )
     shard_array = statements.int_array(shards)
     tokens_array = statements.int_array(tokens[shard] for shard in shards)
+    # The lease rows are share-locked and waited for, never skipped: the fence must see
+    # them. The timer rows are locked SKIP LOCKED, every due one (those with every
+    # attempt used too, not counted: "countable"), so that a row locked elsewhere is
+    # told apart from one that is exhausted: "seen" is the same WHERE without locking,
+    # in the same statement (the same snapshot), and what it sees that "due" did not
+    # lock was locked by another session. A row that such a session changed and
+    # committed between the snapshot and the lock (cancelled, say) also shows there:
+    # it is retried shortly and found not due then, which costs one more read. "seen" is
+    # read only when "due" locked fewer rows than were asked for (a CTE no part of the
+    # statement reads is not run): the ids come from the wheel at their time, so most
+    # batches are all due, and the second read cost 0.5 ms a batch of 500.
     sql = (
         "WITH lease AS MATERIALIZED (SELECT shard, token FROM durable_shardlease "
         "WHERE shard = ANY(%s::integer[]) ORDER BY shard FOR SHARE), "
         "fenced AS MATERIALIZED (SELECT NOT EXISTS (SELECT 1 FROM unnest(%s::integer[], "
         "%s::bigint[]) AS ours(shard, token) LEFT JOIN lease USING (shard) "
         "WHERE lease.token IS DISTINCT FROM ours.token) AS ok), "
-        f"due AS MATERIALIZED ({select} AND (SELECT ok FROM fenced) FOR UPDATE), "
-        "held AS MATERIALIZED (SELECT id FROM due WHERE suspect "
-        "AND (SELECT count(*) FROM due) > 1), "
-        f"counted AS ({update} FROM due WHERE durable_timer.id = due.id "
+        f"due AS MATERIALIZED ({select_all} AND (SELECT ok FROM fenced) "
+        "FOR UPDATE SKIP LOCKED), "
+        f"seen AS MATERIALIZED (SELECT id FROM durable_timer WHERE {where} "
+        "AND (SELECT ok FROM fenced)), "
+        "held AS MATERIALIZED (SELECT id FROM due WHERE countable AND suspect "
+        "AND (SELECT count(*) FROM due WHERE countable) > 1), "
+        f"counted AS ({update} FROM due WHERE durable_timer.id = due.id AND due.countable "
         "AND due.id NOT IN (SELECT id FROM held) "
         "RETURNING due.id, due.suspect, due.n, due.previous) "
         "SELECT (SELECT ok FROM fenced), "
         "array(SELECT ARRAY[id, n, previous]::bigint[] FROM counted), "
-        f"array(SELECT id FROM counted WHERE suspect), array(SELECT id FROM held), {LAZY_COMMIT}"
+        "array(SELECT id FROM counted WHERE suspect), array(SELECT id FROM held), "
+        "CASE WHEN (SELECT count(*) FROM due) < %s "
+        f"THEN array(SELECT id FROM seen EXCEPT SELECT id FROM due) END, {LAZY_COMMIT}"
     )
     with statements.cursor(db) as cursor:
         cursor.execute(
-            sql, [shard_array, shard_array, tokens_array, _PENDING, *params, *token_params]
+            sql,
+            [
+                *(shard_array, shard_array, tokens_array),
+                *(_PENDING, *params),
+                *params,
+                *token_params,
+                len(set(ids)),
+            ],
         )
-        ok, counted, suspects, held, _ = cursor.fetchone()
+        ok, counted, suspects, held, locked, _ = cursor.fetchone()
     if not ok:  # which shards: a fence needs a transaction (none in autocommit)
         with transaction.atomic(using=db):
             return Counted(stale=fence_shards(db, tokens))
@@ -141,6 +180,7 @@ def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_m
         held=set(held),
         attempts=attempts,
         previous=previous,
+        locked=set(locked or ()),
     )
 
 

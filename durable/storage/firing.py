@@ -152,7 +152,10 @@ def fence_and_lock_due(
     comes back (nothing due, or a stale lease), the plain fence says which, so the
     result is the same as the two calls'. Stale shards non-empty means nothing locked.
     It is the batch transaction's first statement: the worker's idle guard sets its
-    timeout in it (:data:`~durable.storage.statements.IDLE_GUARD`).
+    timeout in it (:data:`~durable.storage.statements.IDLE_GUARD`). It waits on a timer
+    row another session holds locked: the firer leaves out the rows the count just
+    before found locked (:attr:`durable.storage.claims.Counted.locked`), so only a lock
+    taken between the two statements is waited for.
     """
     shards = sorted(tokens)
     if connections[db].vendor != "postgresql":

@@ -28,6 +28,11 @@ threads after commit; the firer claims no more of them than it has free threads.
 crash in between leaves the claim to the shard's next owner, which re-runs it at once
 (:func:`durable.storage.claims.release_stale_claims`).
 
+On PostgreSQL a due timer whose row another session holds locked (a transaction that
+cancelled or rescheduled it and is still open) does not hold the batch: the count skips
+it (:attr:`durable.storage.claims.Counted.locked`), the batch runs without it, and its
+runner tries it again :data:`LOCKED_RETRY_MS` later, until the row is free.
+
 What a batch writes about its outcomes, and what follows its commit, is
 :class:`~durable.worker.recording.BatchRecorder`'s.
 """
@@ -64,7 +69,15 @@ from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
-__all__ = ["Firer"]
+__all__ = ["LOCKED_RETRY_MS", "Firer"]
+
+LOCKED_RETRY_MS = 100
+"""How long after a turn found a due timer's row locked by another session (PostgreSQL:
+a transaction that cancelled or rescheduled it and is still open) its runner tries it
+again. The batch leaves it out (:attr:`durable.storage.claims.Counted.locked`) rather
+than wait for that transaction, which held the whole fire loop; short, so that the
+timer fires soon after the lock ends, and not zero, so that a row held for minutes is
+re-read ten times a second, not in a busy loop."""
 
 
 class _Rollback(Exception):
@@ -155,6 +168,7 @@ class Firer:
         lost: dict[int, str] = {}
         counted = self._count(work, lost)
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
+        work = self._skip_locked(work, counted.locked)
         runners = {runner.shard: runner for runner, _ in work}
         tokens = {i: runner.token for runner, ids in work for i in ids if i in counted.ids}
         self.attempts = attempts = AttemptTracker(self.db, counted, tokens)
@@ -164,7 +178,7 @@ class Firer:
                 part, alone_part = parts.pop(0)
                 part = [(r, ids) for r, ids in part if ids and r.shard not in lost]
                 if alone_part:  # a held suspect: counted now, alone
-                    self._recount(part, counted, lost)
+                    part = self._skip_locked(part, self._recount(part, counted, lost))
                 done = self._fire_contained(part, counted, lost)
                 alone = {timer.id for outcome in done.values() for timer in outcome.alone}
                 attempts.settle(i for r, ids in part if r.shard in done for i in ids)
@@ -179,8 +193,33 @@ class Firer:
         attempts.give_back(self.clock.now_ms(), reconnect=False)  # shards lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
 
-    def _recount(self, part: Work, counted: claims.Counted, lost: dict[int, str]) -> None:
-        """Count a held suspect's attempt, now that it runs alone (into ``counted``)."""
+    def _skip_locked(self, work: Work, locked: set[int]) -> Work:
+        """``work`` without the timers whose rows another session holds locked: each goes
+        back to its runner's wheel, due :data:`LOCKED_RETRY_MS` from now.
+
+        Nothing was counted for them. A row that stays locked is retried so until it is
+        free (and the rescan finds it too, should the wheel lose it); one whose locking
+        transaction cancelled it is found not due then, and dropped.
+        """
+        if not locked:
+            return work
+        retry_at = self.clock.now_ms() + LOCKED_RETRY_MS
+        kept: list[tuple[ShardRunner, list[int]]] = []
+        for runner, ids in work:
+            skipped = [i for i in ids if i in locked]
+            if skipped:
+                runner.put_back(skipped, retry_at)
+            rest = [i for i in ids if i not in locked]
+            if rest:
+                kept.append((runner, rest))
+        event(
+            log, logging.DEBUG, "batch.locked_skipped", timers=len(locked), retry_ms=LOCKED_RETRY_MS
+        )
+        return kept
+
+    def _recount(self, part: Work, counted: claims.Counted, lost: dict[int, str]) -> set[int]:
+        """Count a held suspect's attempt, now that it runs alone (into ``counted``);
+        return the ids found locked (not counted: :meth:`_skip_locked` retries them)."""
         more = self._count(part, lost)
         for runner, ids in part:
             counted.held.difference_update(ids)
@@ -189,6 +228,7 @@ class Firer:
         counted.suspects.update(more.suspects)
         counted.attempts.update(more.attempts)
         counted.previous.update(more.previous)
+        return more.locked
 
     def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
         """Count the attempts of the work's due timers, committed before any runs.
@@ -286,6 +326,11 @@ class Firer:
         free = self.external.free
         with transaction.atomic(using=self.db), collecting() as announced:
             tokens = {shard: runner.token for shard, runner in runners.items()}
+            # This lock waits (no SKIP LOCKED): the count just before skipped the rows
+            # locked then, so only a lock taken in the few milliseconds between the two
+            # statements holds it. Skipping here would leave such a row counted and not
+            # run, and giving its attempt back would wait on the same lock (or leave it a
+            # suspect): a rare wait is the smaller harm.
             stale, due = store.fence_and_lock_due(self.db, tokens, ids, now_ms)
             if stale:
                 raise _Fenced(stale)
