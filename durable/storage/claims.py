@@ -65,7 +65,7 @@ class Counted:
     locked: set[int] = field(default_factory=set)
     """Due timers another session held locked (PostgreSQL): not counted, not held, and
     not to be taken for timers with every attempt used. The batch leaves them out and
-    their runner retries them shortly (:data:`durable.worker.firer.LOCKED_RETRY_MS`)."""
+    their runner retries them shortly (:data:`durable.worker.counting.LOCKED_RETRY_MS`)."""
 
 
 def count_attempts(db: str, tokens: Mapping[int, int], ids: Sequence[int], now_ms: int) -> Counted:

@@ -31,7 +31,8 @@ crash in between leaves the claim to the shard's next owner, which re-runs it at
 On PostgreSQL a due timer whose row another session holds locked (a transaction that
 cancelled or rescheduled it and is still open) does not hold the batch: the count skips
 it (:attr:`durable.storage.claims.Counted.locked`), the batch runs without it, and its
-runner tries it again :data:`LOCKED_RETRY_MS` later, until the row is free.
+runner tries it again :data:`LOCKED_RETRY_MS` later (:mod:`durable.worker.counting`),
+until the row is free.
 
 What a batch writes about its outcomes, and what follows its commit, is
 :class:`~durable.worker.recording.BatchRecorder`'s.
@@ -56,10 +57,11 @@ from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
-from durable.worker import admission
+from durable.worker import admission, counting
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.calls import BatchCalls
+from durable.worker.counting import LOCKED_RETRY_MS
 from durable.worker.external import ExternalRunner
 from durable.worker.logs import event
 from durable.worker.outcomes import Outcomes, Readd
@@ -69,15 +71,7 @@ from durable.worker.runner import ShardRunner
 
 log = logging.getLogger("durable.worker")
 
-__all__ = ["LOCKED_RETRY_MS", "Firer"]
-
-LOCKED_RETRY_MS = 100
-"""How long after a turn found a due timer's row locked by another session (PostgreSQL:
-a transaction that cancelled or rescheduled it and is still open) its runner tries it
-again. The batch leaves it out (:attr:`durable.storage.claims.Counted.locked`) rather
-than wait for that transaction, which held the whole fire loop; short, so that the
-timer fires soon after the lock ends, and not zero, so that a row held for minutes is
-re-read ten times a second, not in a busy loop."""
+__all__ = ["LOCKED_RETRY_MS", "Firer"]  # LOCKED_RETRY_MS: durable.worker.counting's
 
 
 class _Rollback(Exception):
@@ -166,9 +160,9 @@ class Firer:
         work = [(runner, ids) for runner, ids in work if ids]
         outcomes: dict[int, BatchOutcome] = {}
         lost: dict[int, str] = {}
-        counted = self._count(work, lost)
+        counted = counting.count(self.db, self.clock, work, lost)
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
-        work = self._skip_locked(work, counted.locked)
+        work = counting.skip_locked(self.clock, work, counted.locked)
         runners = {runner.shard: runner for runner, _ in work}
         tokens = {i: runner.token for runner, ids in work for i in ids if i in counted.ids}
         self.attempts = attempts = AttemptTracker(self.db, counted, tokens)
@@ -178,7 +172,8 @@ class Firer:
                 part, alone_part = parts.pop(0)
                 part = [(r, ids) for r, ids in part if ids and r.shard not in lost]
                 if alone_part:  # a held suspect: counted now, alone
-                    part = self._skip_locked(part, self._recount(part, counted, lost))
+                    found = counting.recount(self.db, self.clock, part, counted, lost, attempts)
+                    part = counting.skip_locked(self.clock, part, found)
                 done = self._fire_contained(part, counted, lost)
                 alone = {timer.id for outcome in done.values() for timer in outcome.alone}
                 attempts.settle(i for r, ids in part if r.shard in done for i in ids)
@@ -192,60 +187,6 @@ class Firer:
             raise
         attempts.give_back(self.clock.now_ms(), reconnect=False)  # shards lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
-
-    def _skip_locked(self, work: Work, locked: set[int]) -> Work:
-        """``work`` without the timers whose rows another session holds locked: each goes
-        back to its runner's wheel, due :data:`LOCKED_RETRY_MS` from now.
-
-        Nothing was counted for them. A row that stays locked is retried so until it is
-        free (and the rescan finds it too, should the wheel lose it); one whose locking
-        transaction cancelled it is found not due then, and dropped.
-        """
-        if not locked:
-            return work
-        retry_at = self.clock.now_ms() + LOCKED_RETRY_MS
-        kept: list[tuple[ShardRunner, list[int]]] = []
-        for runner, ids in work:
-            skipped = [i for i in ids if i in locked]
-            if skipped:
-                runner.put_back(skipped, retry_at)
-            rest = [i for i in ids if i not in locked]
-            if rest:
-                kept.append((runner, rest))
-        event(
-            log, logging.DEBUG, "batch.locked_skipped", timers=len(locked), retry_ms=LOCKED_RETRY_MS
-        )
-        return kept
-
-    def _recount(self, part: Work, counted: claims.Counted, lost: dict[int, str]) -> set[int]:
-        """Count a held suspect's attempt, now that it runs alone (into ``counted``);
-        return the ids found locked (not counted: :meth:`_skip_locked` retries them)."""
-        more = self._count(part, lost)
-        for runner, ids in part:
-            counted.held.difference_update(ids)
-            self.attempts.tokens.update((i, runner.token) for i in ids if i in more.ids)
-        counted.ids.update(more.ids)
-        counted.suspects.update(more.suspects)
-        counted.attempts.update(more.attempts)
-        counted.previous.update(more.previous)
-        return more.locked
-
-    def _count(self, work: Work, lost: dict[int, str]) -> claims.Counted:
-        """Count the attempts of the work's due timers, committed before any runs.
-
-        Shards found lost are added to ``lost`` and counted without.
-        """
-        while work:
-            tokens = {runner.shard: runner.token for runner, _ in work}
-            ids = [timer_id for _, chunk in work for timer_id in chunk]
-            with claims.counting(self.db):
-                counted = claims.count_attempts(self.db, tokens, ids, self.clock.now_ms())
-            if not counted.stale:
-                return counted
-            for shard, current in counted.stale.items():
-                lost[shard] = f"lease of shard {shard} lost: token is stale (now {current})"
-            work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
-        return claims.Counted()
 
     def _fire_contained(
         self, work: Work, counted: claims.Counted, lost: dict[int, str]

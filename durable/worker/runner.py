@@ -170,7 +170,7 @@ class ShardRunner:
         was spent): due at ``now_ms``, they come out first in the next turn. Their row
         is re-read when they fire, so the time put here only orders them (or delays
         them: a row found locked by another session is put back a little later,
-        :data:`durable.worker.firer.LOCKED_RETRY_MS`)."""
+        :data:`durable.worker.counting.LOCKED_RETRY_MS`)."""
         journal = self.journal
         for timer_id in ids:
             if timer_id not in self.wheel:

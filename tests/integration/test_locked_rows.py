@@ -24,7 +24,7 @@ from django.db import InterfaceError, OperationalError, connections, transaction
 import durable
 from durable.models import Timer, TimerState
 from durable.storage import claims
-from durable.worker.firer import LOCKED_RETRY_MS
+from durable.worker.counting import LOCKED_RETRY_MS
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 
