@@ -44,6 +44,13 @@ class WorkerMetrics:
             ["shard"],
             registry=r,
         )
+        self.locked_skipped = Counter(
+            "durable_timers_locked_skipped",
+            "Due timers left out of a batch because another session held their row locked "
+            "(retried shortly)",
+            ["shard"],
+            registry=r,
+        )
         self.wheel_depth = Gauge(
             "durable_wheel_pending", "Timers in the in-memory wheel", ["shard", "level"], registry=r
         )
@@ -102,6 +109,10 @@ class WorkerMetrics:
     def on_dead_letter(self, shard: int) -> None:
         """Record a timer moved to the dead letter."""
         self.dead_letters.labels(str(shard)).inc()
+
+    def on_locked_skipped(self, shard: int, timers: int) -> None:
+        """Record due timers a batch left out: another session held their rows locked."""
+        self.locked_skipped.labels(str(shard)).inc(timers)
 
     def on_lease(self, event: str, held: int) -> None:
         """Record a lease event (acquired, takeover, released, lost)."""

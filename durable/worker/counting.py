@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from durable.core.clock import Clock
+from durable.metrics import WorkerMetrics
 from durable.storage import claims
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import Work
@@ -73,9 +74,13 @@ def recount(
     return more.locked
 
 
-def skip_locked(clock: Clock, work: Work, locked: set[int]) -> Work:
+def skip_locked(
+    clock: Clock, work: Work, locked: set[int], metrics: WorkerMetrics | None = None
+) -> Work:
     """``work`` without the timers whose rows another session holds locked: each goes
-    back to its runner's wheel, due :data:`LOCKED_RETRY_MS` from now.
+    back to its runner's wheel, due :data:`LOCKED_RETRY_MS` from now, and is counted in
+    ``durable_timers_locked_skipped_total`` (a row held for long shows there, once per
+    retry, where the DEBUG log line does not).
 
     Nothing was counted for them. A row that stays locked is retried so until it is
     free (and the rescan finds it too, should the wheel lose it); one whose locking
@@ -89,6 +94,8 @@ def skip_locked(clock: Clock, work: Work, locked: set[int]) -> Work:
         skipped = [i for i in ids if i in locked]
         if skipped:
             runner.put_back(skipped, retry_at)
+            if metrics is not None:
+                metrics.on_locked_skipped(runner.shard, len(skipped))
         rest = [i for i in ids if i not in locked]
         if rest:
             kept.append((runner, rest))

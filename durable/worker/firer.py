@@ -162,7 +162,7 @@ class Firer:
         lost: dict[int, str] = {}
         counted = counting.count(self.db, self.clock, work, lost)
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
-        work = counting.skip_locked(self.clock, work, counted.locked)
+        work = counting.skip_locked(self.clock, work, counted.locked, self.metrics)
         runners = {runner.shard: runner for runner, _ in work}
         tokens = {i: runner.token for runner, ids in work for i in ids if i in counted.ids}
         self.attempts = attempts = AttemptTracker(self.db, counted, tokens)
@@ -173,7 +173,7 @@ class Firer:
                 part = [(r, ids) for r, ids in part if ids and r.shard not in lost]
                 if alone_part:  # a held suspect: counted now, alone
                     found = counting.recount(self.db, self.clock, part, counted, lost, attempts)
-                    part = counting.skip_locked(self.clock, part, found)
+                    part = counting.skip_locked(self.clock, part, found, self.metrics)
                 done = self._fire_contained(part, counted, lost)
                 alone = {timer.id for outcome in done.values() for timer in outcome.alone}
                 attempts.settle(i for r, ids in part if r.shard in done for i in ids)

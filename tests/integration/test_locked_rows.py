@@ -149,6 +149,10 @@ def test_a_lock_rolled_back_fires_the_timer_right_after_the_retry_delay(engine, 
         assert error is None, f"the turn waited on the locked row: {error}"
         assert [state(t) for t in others] == [(TimerState.FIRED, 1)] * len(others)
         assert state(held) == (TimerState.PENDING, 0)
+        skipped = engine.metrics.registry.get_sample_value(
+            "durable_timers_locked_skipped_total", {"shard": str(held.shard)}
+        )
+        assert skipped == 1, "the skip shows in the metrics"
     finally:
         holder.finish(commit=False)
     assert turn(engine, clock, step_ms=LOCKED_RETRY_MS)[0] is None
