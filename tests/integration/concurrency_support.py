@@ -7,8 +7,6 @@ when a running attempt ends.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import durable
 from testproject.demo.models import FireRecord
@@ -70,13 +68,3 @@ def gives_up(account: str, n: int) -> None:
     STARTED.append(n)
     if n == 1:
         raise durable.GiveUp("the account is closed")
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
-    """True once ``predicate()`` is true, polled every 20 ms; False after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False

@@ -26,6 +26,7 @@ from durable.storage import claims
 from durable.worker.attempts import AttemptTracker
 from testproject.demo import chaos, probes
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,9 +75,7 @@ def test_a_batch_whose_session_is_terminated_spends_no_attempt(engine, clock):
     # The external handler runs on a pool thread after its claim commits: on a loaded
     # machine it may still be running after the turns (CI saw it `firing`), so wait for
     # its completion (10 s at most) rather than for a number of turns.
-    deadline = time.monotonic() + 10
-    while state(external)[0] == TimerState.FIRING and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: state(external)[0] != TimerState.FIRING)
     assert [state(t) for t in ran] == [(TimerState.FIRED, 1)] * 2
     assert state(external) == (TimerState.FIRED, 1)
     assert state(dropper) == (TimerState.FIRED, 1)

@@ -7,7 +7,6 @@ a real Celery worker are in ``tests/acceptance/test_celery_brokers.py``.
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -21,6 +20,7 @@ from durable.dispatch.broker import DeferredPublishError, publishers
 from durable.exceptions import PayloadError
 from durable.models import Timer
 from durable.worker.engine import Engine
+from tests.integration.polling import wait_for as _wait_for
 
 START_MS = 1_900_000_000_000
 MEMORY = "memory://"
@@ -56,15 +56,6 @@ def _drain(queue: str) -> list:
             messages.append(message)
         simple.close()
     return messages
-
-
-def _wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _fire(engine, clock, ms=1_000):

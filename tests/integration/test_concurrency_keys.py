@@ -24,8 +24,8 @@ from durable.storage import concurrency
 from durable.storage.concurrency import PARKED_MS
 from testproject.demo.models import FireRecord
 from tests.integration import concurrency_support as support
-from tests.integration.concurrency_support import wait_for
 from tests.integration.conftest import START_MS
+from tests.integration.polling import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 

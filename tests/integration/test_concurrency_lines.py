@@ -25,7 +25,7 @@ from durable.worker.lines import KEEP_EVERY_MS
 from testproject.demo.models import FireRecord
 from tests.integration import concurrency_support as support
 from tests.integration import workflow_support
-from tests.integration.concurrency_support import wait_for
+from tests.integration.polling import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 driver = workflow_support.driver  # fixture

@@ -10,7 +10,6 @@ the previous fire, reaches the wheel without NOTIFY.
 from __future__ import annotations
 
 import itertools
-import time
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -29,6 +28,7 @@ from durable.scheduling.specs import build_spec
 from durable.storage.schedules import occurrence_timer
 from durable.testing import ManualClock, override_clock
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -73,15 +73,6 @@ def pending(name):
             "fire_at_ms", flat=True
         )
     )
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- firing ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ after 1.5 s).
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.db import connection
@@ -22,6 +21,7 @@ import durable
 from durable.models import Timer
 from testproject.demo import chaos
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -29,15 +29,6 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 @pytest.fixture
 def engine(start_engine):
     return start_engine({"SHARDS": 4, "LEASE_TTL_S": 10.0, "RESCAN_INTERVAL_S": 1.0})
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_completion_on_a_dropped_session_is_retried_not_left_firing(engine, clock):

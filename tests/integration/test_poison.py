@@ -23,6 +23,7 @@ from durable.models import Timer, TimerState
 from durable.storage import claims
 from testproject.demo import poison, probes
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,14 +140,14 @@ def test_a_hung_external_handler_is_abandoned_and_its_thread_replaced(engine, cl
     timer = durable.schedule(poison.gated, args=["slow"])
     load(engine, clock)
     engine.tick()
-    assert _wait(lambda: engine.firer.in_flight == 1)
+    assert wait_for(lambda: engine.firer.in_flight == 1)
     clock.advance(int(engine.conf.HANDLER_TIMEOUT_S * 1000) + 1)
     engine.tick()  # the watchdog: attempt 1 failed, a fresh thread in the pool
     timer.refresh_from_db()
     assert timer.state == TimerState.PENDING and "HandlerTimeout" in timer.last_error
     assert engine.firer.in_flight == 0 and engine.firer.external.free == 2
     gate.set()  # the abandoned call returns at last: its completion finds no claim
-    assert _wait(lambda: FireRecord.objects.filter(key="slow").exists())
+    assert wait_for(lambda: FireRecord.objects.filter(key="slow").exists())
     time.sleep(0.2)
     timer.refresh_from_db()
     assert (timer.state, timer.attempts) == (TimerState.PENDING, 1), "late completion dropped"
@@ -256,7 +257,7 @@ def test_a_new_owner_reruns_the_old_owners_claims_at_once(start_engine, clock, c
     timer = durable.schedule(poison.gated, args=["claimed"])
     load(first, clock)
     first.tick()
-    assert _wait(lambda: first.firer.in_flight == 1)
+    assert wait_for(lambda: first.firer.in_flight == 1)
     timer.refresh_from_db()
     old_token = first.runners[timer.shard].token
     assert (timer.state, timer.claim_token) == (TimerState.FIRING, old_token)
@@ -269,7 +270,7 @@ def test_a_new_owner_reruns_the_old_owners_claims_at_once(start_engine, clock, c
     poison.GATES["claimed"].set()  # both calls may finish: at least once
     caplog.set_level(logging.WARNING, logger="durable.worker")
     turns(second, clock, n=2, step_ms=10)  # well inside CLAIM_TIMEOUT_S (300 s)
-    assert _wait(lambda: first.firer.in_flight == 0)
+    assert wait_for(lambda: first.firer.in_flight == 0)
     timer.refresh_from_db()
     assert (timer.state, timer.fired_token, timer.attempts) == (TimerState.FIRED, new_token, 2)
     assert any("timer.complete_fenced" in r.getMessage() for r in caplog.records), (
@@ -286,15 +287,6 @@ def test_a_workflow_whose_wake_up_is_dead_lettered_fails(engine, clock):
     turns(engine, clock, n=2)
     run.refresh_from_db()
     assert run.state == "failed" and "wake-up timer" in run.error
-
-
-def _wait(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_retry_time_of_a_bad_row_does_not_reach_the_wheel(engine, clock):

@@ -10,7 +10,6 @@ should not have to wait for a lease TTL to take it.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.db import connections
@@ -19,6 +18,7 @@ import durable
 from durable.models import ShardLease, Timer
 from durable.worker.engine import Engine
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -66,15 +66,6 @@ def held_open(key: str) -> None:
     FireRecord.objects.create(key=key, fired_at_ms=0)
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def owners() -> dict[int, str]:
     return dict(ShardLease.objects.values_list("shard", "owner"))
 
@@ -88,20 +79,21 @@ def test_the_grace_period_holds_only_busy_shards_and_keeps_their_leases(start_en
     timer = durable.schedule(held_open, args=["busy"])
     clock.advance(2_000)
     engine.tick()
-    assert wait_for(lambda: engine.firer.in_flight == 1)
+    assert wait_for(lambda: engine.firer.in_flight == 1, timeout_s=5)
     token = engine.runners[timer.shard].token
     engine.stop()
     stopping = threading.Thread(target=_closing(lambda: engine.shutdown(wait_s=30)))
     stopping.start()
     try:
         idle = {shard: "" for shard in range(4) if shard != timer.shard}
-        assert wait_for(lambda: owners() == {**idle, timer.shard: "test-node"}), owners()
+        assert wait_for(lambda: owners() == {**idle, timer.shard: "test-node"}, 5), owners()
         clock.advance(25_000)  # 2.5 TTLs into the grace: the busy shard's lease is renewed
         assert wait_for(
             lambda: (
                 ShardLease.objects.get(shard=timer.shard).expires_at.timestamp() * 1000
                 > clock.now_ms()
-            )
+            ),
+            timeout_s=5,
         )
     finally:
         RELEASE.set()

@@ -6,7 +6,6 @@ workers) is in tests/acceptance.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from durable.worker.batches import pack
 from durable.worker.engine import Engine
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
+from tests.integration.polling import wait_for as _wait_for
 
 START_MS = 1_900_000_000_000
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -105,15 +105,6 @@ def test_on_complete_success(engine, clock):
     assert keys("outcome") == ["outcome:{'a': 1}:success"]
     follow = Timer.objects.get(key__startswith="on_complete:")
     assert follow.kwargs["result"] == {"status": "success", "value": "c"}
-
-
-def _wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_external_handler_is_claimed_run_and_completed(engine, clock):
