@@ -24,16 +24,18 @@ batch stamps; a run's is the wall clock its atomic step records.
 ``lateness``: the same three nodes, 2,000 write timers a second (``--lat-seconds``), p99
 of (fired - due); with Raft on, also the followers' replication lag
 (``durable_raft_replication_lag_seconds``, scraped from each node's ``/metrics`` twice a
-second). Replication throughput (timers a second a leader can replicate) is not measured:
-no metric says how many timers a standby holds. ``idle``: CPU of each idle node over
-``--idle-s``. ``memory``: RSS of each node with ``--timers`` loaded, against idle (with
-Raft on, the standby wheels add to it). The machine is shared and has 2 cores: the load
+second). ``idle``: CPU of each idle node over ``--idle-s``. ``memory``: RSS of each node with
+``--timers`` loaded, against idle (with Raft on, the standbys add to it). ``standby``, in
+this process: ``--timers`` in an owner's wheel against a follower's standby
+(:mod:`bench._standby`). ``--raft-tuning`` adds Raft modes with other settings (the curve
+of idle CPU against failover time). The machine is shared and has 2 cores: the load
 average is printed with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -63,7 +65,7 @@ MODES = {
     ),
     "raft": Mode("raft", "(c) Raft on (default Raft tuning), LEASE_TTL_S 10 s", 10.0, {}),
 }
-MEASURES = ("failover", "lateness", "idle", "memory")
+MEASURES = ("failover", "lateness", "idle", "memory", "standby")
 RUNS = 200
 
 
@@ -291,6 +293,13 @@ def memory(mode: Mode, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     }
 
 
+def standby(mode: Mode, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """An owner's wheel against a follower's standby, ``--timers`` each (in this process)."""
+    from bench._standby import standby_against_wheel
+
+    return standby_against_wheel(args.timers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--timers", type=int, default=1_000_000, help="pending in the horizon")
@@ -301,9 +310,19 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
     parser.add_argument("--only", default=",".join(MEASURES), help=f"of {','.join(MEASURES)}")
+    parser.add_argument(
+        "--raft-tuning",
+        type=json.loads,
+        default=[],
+        help='more Raft modes, as a JSON list of DURABLE["RAFT"] tunings: '
+        '\'[{"HEARTBEAT_S": 0.15}, {"TICK_S": 0.075, "HEARTBEAT_S": 0.15}]\'',
+    )
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    modes = [MODES[k] for k in args.modes.split(",")]
+    modes = [MODES[k] for k in args.modes.split(",") if k]
+    for tuning in args.raft_tuning:  # the curve of idle CPU against failover time
+        label = "Raft on, " + ", ".join(f"{k} {v}" for k, v in tuning.items())
+        modes.append(Mode("raft", label, 10.0, tuning))
     measures = args.only.split(",")
     unknown = set(measures) - set(MEASURES)
     if unknown:
@@ -315,6 +334,8 @@ def main() -> None:
         for mode in modes:
             if mode.key == "ttl2" and measure != "failover":
                 continue  # TTL changes nothing but the failover time
+            if measure == "standby" and mode is not modes[0]:
+                continue  # in this process, the same for every mode
             reason = unavailable(mode)
             if reason is not None:
                 result: dict[str, Any] = {"mode": mode.label, "skipped": reason}

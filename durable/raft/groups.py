@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from durable.raft import standby
 from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
 from durable.raft.polling import restart_election_timer_while_alone
-from durable.raft.standby import StandbyWheel
 from durable.raft.state import MAX_COMMAND_ENTRIES, BadBatch, Handed, ShardState, shape
 from durable.worker.logs import event
 
@@ -52,9 +52,9 @@ def _consumer_class() -> type:
             # as not part of the replicated state: only ``state`` is serialized.
             self.shard = shard
             self.now_ms = now_ms
-            self.standby = StandbyWheel(start_ms=now_ms())
             self.lag_ms = 0
-            # apply() runs on the sidecar, standby_due() on the worker's loop.
+            # apply() runs on the sidecar, the takeover's read of the standby
+            # (GroupSet.standby_due) on the worker's loop.
             self.lock = threading.Lock()
             super().__init__()
             self.state = ShardState()
@@ -62,22 +62,17 @@ def _consumer_class() -> type:
         @replicated  # type: ignore[untyped-decorator]
         def apply(self, batch: Any) -> None:
             try:
-                applied = self.state.apply(batch)
+                with self.lock:
+                    self.state.apply(batch)
             except BadBatch as exc:  # only a node holding the password can get here
                 event(log, logging.WARNING, "raft.bad_batch", shard=self.shard, error=exc)
                 return
-            with self.lock:
-                for timer_id in applied.removed:
-                    self.standby.remove(timer_id)
-                for timer_id, fire_at in applied.added:
-                    self.standby.add(timer_id, fire_at)
             if batch["at_ms"]:
                 self.lag_ms = max(0, self.now_ms() - batch["at_ms"])
 
         def _deserialize(self, data: Any) -> None:
-            super()._deserialize(data)  # a snapshot from the leader: rebuild the standby
-            with self.lock:
-                self.standby.reset(self.state.pending.items(), self.now_ms())
+            with self.lock:  # a snapshot from the leader replaces the state whole
+                super()._deserialize(data)
 
     return ShardConsumer
 
@@ -366,10 +361,11 @@ class GroupSet:
             group.outbox.put(handed)
 
     def standby_due(self, shard: int) -> list[tuple[int, int]]:
-        """Shard ``shard``'s standby timers due now (for a warm takeover)."""
+        """Shard ``shard``'s standby timers due now, ``(id, fire_at_ms)`` oldest first (for
+        a warm takeover; :mod:`durable.raft.standby`)."""
         consumer = self.groups[shard].consumer
         with consumer.lock:
-            return list(consumer.standby.overdue(self.now_ms()))
+            return standby.overdue(consumer.state.pending, self.now_ms())
 
     def state_of(self, shard: int) -> ShardState:
         """The replicated state of shard ``shard`` as applied on this node."""
@@ -386,7 +382,7 @@ class GroupSet:
                 "term": int(group.syncobj.raftCurrentTerm),
                 "leader": group.leader or "",
                 "lag_ms": int(group.consumer.lag_ms),
-                "standby": len(group.consumer.standby),
+                "standby": len(group.consumer.state.pending),
             }
         return out
 

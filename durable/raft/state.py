@@ -79,7 +79,7 @@ def _check(batch: Any) -> None:
 
 @dataclass(slots=True)
 class Applied:
-    """What one batch changed, for the standby wheel and the metrics."""
+    """What one batch changed (for tests and the metrics)."""
 
     added: list[tuple[int, int]]
     removed: list[int]

@@ -37,7 +37,7 @@ class Acquired:
     token: int
     previous_owner: str
     cursor_ms: int
-    standby: tuple[tuple[int, int], ...] = ()  # Raft: the standby wheel's overdue timers
+    standby: tuple[tuple[int, int], ...] = ()  # Raft: the standby's overdue timers
 
 
 class LeaseKeeper:

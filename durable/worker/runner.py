@@ -236,7 +236,7 @@ def load_acquired(
     to run again now (not at their claim timeout), then the wheel is rebuilt from the rows.
     Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took.
 
-    ``raft``: the runner journals its wheel for replication; and when the standby wheel
+    ``raft``: the runner journals its wheel for replication; and when the standby
     had overdue timers (``got.standby``), they go in first and the rebuild waits for the
     engine's next fires (``rebuild_pending``): the overdue fire without waiting for the
     rows to be read. Each fire is fenced and re-reads its row, so a stale entry is a no-op.
@@ -248,9 +248,9 @@ def load_acquired(
         runner.start_journal(now_ms)
     rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
     if got.standby:
-        for timer_id, due_by in got.standby:
+        for timer_id, fire_at in got.standby:
             if timer_id not in runner.wheel:
-                runner.wheel.insert(timer_id, min(due_by, now_ms))
+                runner.wheel.insert(timer_id, min(fire_at, now_ms))
         runner.rebuild_pending = True
         loaded = len(got.standby)
     else:

@@ -8,7 +8,7 @@ from django.test import override_settings
 
 from durable.checks import check_raft
 from durable.raft.config import RaftConfigError, parse, problems
-from durable.raft.standby import StandbyWheel
+from durable.raft.standby import overdue
 from durable.raft.state import BadBatch, ShardState, make_batch
 
 RAW = {
@@ -157,31 +157,19 @@ def test_a_malformed_batch_is_refused_whole(bad):
 # --- the standby wheel -----------------------------------------------------------------
 
 
-def test_standby_says_what_is_due_and_never_forgets_it_until_removed():
-    standby = StandbyWheel(start_ms=1000)
-    standby.add(1, 1500)
-    standby.add(2, 2500)
-    standby.add(3, 900)  # already overdue when it arrives
-    assert standby.overdue(1000) == [(3, 1000)]
-    assert standby.overdue(1600) == [(3, 1000), (1, 1600)]
-    assert standby.overdue(1700) == [(3, 1000), (1, 1600)]  # kept until the log removes it
-    standby.remove(1)
-    standby.add(2, 5000)  # rescheduled later: not due at its old time
-    assert standby.overdue(3000) == [(3, 1000)]
-    assert len(standby) == 2
+def test_standby_gives_what_is_due_oldest_first_until_the_log_removes_it():
+    state = ShardState()
+    state.apply(batch(added=[(1, 1500), (2, 2500), (3, 900), (4, 1500)]))
+    assert overdue(state.pending, 1000) == [(3, 900)]
+    assert overdue(state.pending, 1600) == [(3, 900), (1, 1500), (4, 1500)]
+    assert overdue(state.pending, 1700) == [(3, 900), (1, 1500), (4, 1500)]  # kept
+    state.apply(batch(added=[(2, 5000)], removed=[1, 4]))  # fired; rescheduled later
+    assert overdue(state.pending, 3000) == [(3, 900)]
 
 
 def test_standby_never_gives_out_a_timer_early():
-    standby = StandbyWheel(start_ms=0)
-    for i in range(1, 200):
-        standby.add(i, i * 7)
+    pending = {i: i * 7 for i in range(1, 200)}
     for now in range(0, 1500, 13):
-        assert all(i * 7 <= now for i, _ in standby.overdue(now))
-
-
-def test_standby_reset_replaces_everything():
-    standby = StandbyWheel(start_ms=0)
-    standby.add(1, 10)
-    standby.reset([(5, 50), (6, 60)], now_ms=55)
-    assert standby.overdue(55) == [(5, 55)]
-    assert len(standby) == 2
+        due = overdue(pending, now)
+        assert all(fire_at <= now and pending[i] == fire_at for i, fire_at in due)
+        assert len(due) == sum(1 for t in pending.values() if t <= now)
