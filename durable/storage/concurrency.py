@@ -84,10 +84,10 @@ def admit(
         return set()
     policies = {key: limits[group[0][0]] for key, group in by_key.items()}
     keys = key_rows.lock_keys(db, policies, locked)
-    if locked is None or any(n not in locked or n.startswith(_WORKFLOW) for n in by_key):
+    if locked is None or any(n not in locked for n in by_key):
         # Elsewhere than PostgreSQL; or a key's row created (and locked) just now, after
-        # the count; or a workflow's key (its runs hold slots too, which the pipelined
-        # count leaves out): count (again), under lock.
+        # the count: count (again), under lock. A workflow's key needs no second count:
+        # the pipelined one counts its runs, in a snapshot taken once the locks were ours.
         counts = _counts(db, sorted(by_key), list(limits), active=active)
     parked: list[int] = []
     admitted_in_line: dict[int, int] = {}
@@ -204,8 +204,6 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
         return release_keys(db, names, now_ms, bucket_shift)
     # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
     keys = key_rows.lock_keys(db, dict.fromkeys(names), locked)
-    if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
-        counts = _counts(db, sorted(keys), [])
     return _wake_next(db, keys, counts, now_ms, bucket_shift)
 
 

@@ -65,8 +65,9 @@ def counts_sql(
     ``names`` ``None`` (PostgreSQL only): the keys of the timers ``keys_of`` (by default
     ``exclude``), read by the statement itself, so that it can be sent before the caller
     knows them (pipelined behind the statement that locks them). ``workflow``: some key
-    is a workflow's (``workflow:`` prefix); its runs are counted too. ``active``: as
-    :func:`counts`' (``False``: given as 0).
+    may be a workflow's (``workflow:`` prefix): the runs of such keys are counted too
+    (the statement tells the keys apart by name). ``active``: as :func:`counts`'
+    (``False``: given as 0).
     """
     where, params = statements.in_clause(vendor, exclude or [0])
     mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
@@ -81,11 +82,18 @@ def counts_sql(
             "FROM durable_workflowrun r WHERE r.concurrency_key = k.name "
             f"AND r.state IN ({holding})"
         )
+        # Per key by its name: a handler's key has no runs, so the pipelined count (sent
+        # before the keys are known) costs a handler's key no reads of the runs.
         firing = (
-            f"(SELECT count(*) {mine} AND t.state = %s AND NOT EXISTS (SELECT 1 {runs} "
-            f"AND r.id = t.target)) + (SELECT count(*) {runs})"
+            f"(CASE WHEN k.name LIKE %s THEN (SELECT count(*) {mine} AND t.state = %s "
+            f"AND NOT EXISTS (SELECT 1 {runs} AND r.id = t.target)) + "
+            f"(SELECT count(*) {runs}) ELSE {firing} END)"
         )
-        firing_args = [*params, _FIRING, *HOLDING, *HOLDING]
+        firing_args = [
+            f"{WORKFLOW_PREFIX}%",
+            *(*params, _FIRING, *HOLDING, *HOLDING),
+            *firing_args,
+        ]
     parts = (
         f"{firing}, "
         f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
