@@ -12,6 +12,8 @@ the count cannot drift from the rows it describes.
   the limit. A timer over the limit is *parked*: still pending, due at
   :data:`PARKED_MS` (never, until woken), with ``queued_ms`` its place in line (the
   time it first came due). It holds no wheel entry and is never rescanned: no polling.
+  A workflow run's start held back while an ancestor run holds a slot of its key is
+  admitted in that slot instead (reentrant: see :func:`_in_ancestors_slot`).
 - :func:`release` runs in the transaction that records an active timer's end (fired,
   retried, dead-lettered), or that takes a woken one out of the line (cancelled, moved
   by an operator or by a debounced call): every path that ends or moves a keyed timer.
@@ -84,10 +86,10 @@ def admit(
         return set()
     policies = {key: limits[group[0][0]] for key, group in by_key.items()}
     keys = key_rows.lock_keys(db, policies, locked)
-    if locked is None or any(n not in locked or n.startswith(_WORKFLOW) for n in by_key):
+    if locked is None or any(n not in locked for n in by_key):
         # Elsewhere than PostgreSQL; or a key's row created (and locked) just now, after
-        # the count; or a workflow's key (its runs hold slots too, which the pipelined
-        # count leaves out): count (again), under lock.
+        # the count: count (again), under lock. A workflow's key needs no second count:
+        # the pipelined one counts its runs, in a snapshot taken once the locks were ours.
         counts = _counts(db, sorted(by_key), list(limits), active=active)
     parked: list[int] = []
     admitted_in_line: dict[int, int] = {}
@@ -98,8 +100,9 @@ def admit(
         free, room = key.free(active, reserved), key.room(now_ms)
         # Firing rows first (they hold a slot), then the line: its place, then id.
         group.sort(key=lambda r: (r[2] != _FIRING, r[3] if r[3] is not None else r[4], r[0]))
-        parked_here = []
-        for timer_id, _, state, queued_ms, _fire_at, _shard in group:
+        held: list[tuple[Any, ...]] = []
+        for row in group:
+            timer_id, _, state, queued_ms = row[:4]
             # A timer new to the line goes behind those parked in it already.
             in_turn = queued_ms is not None or not waiting
             if state == _FIRING or (free > 0 and room > 0 and in_turn):
@@ -114,11 +117,16 @@ def admit(
                 if queued_ms is not None:
                     admitted_in_line[timer_id] = queued_ms
             else:
-                parked_here.append(timer_id)
+                held.append(row)
+        inside, deferred = _in_ancestors_slot(db, name, key, held, now_ms, bucket_shift, logs)
+        admitted_in_line.update((i, place) for i, place in inside.items() if place is not None)
+        parked_here = [row[0] for row in held if row[0] not in inside and row[0] not in deferred]
         _park(db, parked_here, bucket_shift)
-        parked += parked_here
+        parked += parked_here + list(deferred)
+        woken += deferred.values()
         waiting += len(parked_here)
-        woken += _next_in_line(db, name, key, (free, reserved, waiting), now_ms, bucket_shift)
+        counted = (free, reserved + len(deferred), waiting)
+        woken += _next_in_line(db, name, key, counted, now_ms, bucket_shift)
     if logs is None:
         key_rows.save_logs(db, keys)
     else:
@@ -127,6 +135,47 @@ def admit(
         from_line.update(admitted_in_line)
     notify_timers(db, woken)
     return set(parked)
+
+
+def _in_ancestors_slot(
+    db: str,
+    name: str,
+    key: key_rows.Key,
+    held: list[tuple[Any, ...]],
+    now_ms: int,
+    bucket_shift: int,
+    logs: Logs | None,
+) -> tuple[dict[int, int | None], dict[int, Woken]]:
+    """Of a workflow key's ``held`` start timers (over its limit, or behind its line),
+    admit those whose run has an ancestor holding a slot of the key, in that slot.
+
+    Reentrant, as a lock its holder takes again: the ancestor holds the slot to its end,
+    and, when it waits for this descendant, would otherwise wait for ever (the slot
+    frees only when the ancestor ends). The descendant is counted while it runs, so other
+    runs of the key wait for the whole tree. It still obeys the rate: with no room now it
+    is made due when the window has room (not parked: nothing would wake it while the
+    ancestor holds the slot), keeping its place. Returns the admitted, with their place
+    in line (``None``: new to it), and the made due later (their attempt given back).
+    """
+    if not held or key.limit is None or not name.startswith(_WORKFLOW):
+        return {}, {}
+    inside = key_counts.in_ancestors_slot(db, name, [row[0] for row in held])
+    admitted: dict[int, int | None] = {}
+    deferred: dict[int, Woken] = {}
+    for timer_id, _, _, queued_ms, _, shard in held:
+        if timer_id not in inside:
+            continue
+        if key.room(now_ms) > 0:
+            key.started(now_ms)
+            if logs is not None and key.rate is not None:
+                logs.started[timer_id] = name
+            admitted[timer_id] = queued_ms
+        else:
+            assert key.rate is not None  # room is infinite without a rate
+            due_ms = key.rate.next_ms(key.log)
+            _park(db, [timer_id], bucket_shift, due_ms)
+            deferred[timer_id] = (shard, timer_id, due_ms)
+    return admitted, deferred
 
 
 class Logs:
@@ -204,8 +253,6 @@ def release(db: str, timer_ids: Iterable[int], now_ms: int, bucket_shift: int) -
         return release_keys(db, names, now_ms, bucket_shift)
     # A key without a row yet: no batch ever decided for it, so nobody waits in its line.
     keys = key_rows.lock_keys(db, dict.fromkeys(names), locked)
-    if any(name.startswith(_WORKFLOW) for name in keys):  # not in the pipelined count
-        counts = _counts(db, sorted(keys), [])
     return _wake_next(db, keys, counts, now_ms, bucket_shift)
 
 
@@ -286,8 +333,10 @@ def _wake(db: str, key: str, count: int, due_ms: int, bucket_shift: int) -> list
     return [(shard, timer_id, due_ms) for timer_id, shard in rows]
 
 
-def _park(db: str, ids: list[int], bucket_shift: int) -> None:
-    """Park ``ids`` (see the module docstring) and give back the attempt counted for them."""
+def _park(db: str, ids: list[int], bucket_shift: int, due_ms: int = PARKED_MS) -> None:
+    """Park ``ids`` (see the module docstring) and give back the attempt counted for them.
+
+    ``due_ms`` given: due then instead (in line, holding a slot, as a woken timer)."""
     if not ids:
         return
     where, params = statements.in_clause(connections[db].vendor, ids)
@@ -296,7 +345,7 @@ def _park(db: str, ids: list[int], bucket_shift: int) -> None:
             "UPDATE durable_timer SET queued_ms = COALESCE(queued_ms, fire_at_ms), "
             "fire_at_ms = %s, bucket = %s, attempts = attempts - 1, claim_token = NULL "
             f"WHERE {where} AND state = %s",
-            [PARKED_MS, bucket_of(PARKED_MS, bucket_shift), *params, _PENDING],
+            [due_ms, bucket_of(due_ms, bucket_shift), *params, _PENDING],
         )
 
 

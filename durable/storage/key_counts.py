@@ -65,8 +65,9 @@ def counts_sql(
     ``names`` ``None`` (PostgreSQL only): the keys of the timers ``keys_of`` (by default
     ``exclude``), read by the statement itself, so that it can be sent before the caller
     knows them (pipelined behind the statement that locks them). ``workflow``: some key
-    is a workflow's (``workflow:`` prefix); its runs are counted too. ``active``: as
-    :func:`counts`' (``False``: given as 0).
+    may be a workflow's (``workflow:`` prefix): the runs of such keys are counted too
+    (the statement tells the keys apart by name). ``active``: as :func:`counts`'
+    (``False``: given as 0).
     """
     where, params = statements.in_clause(vendor, exclude or [0])
     mine = f"FROM durable_timer t WHERE t.concurrency_key = k.name AND NOT (t.{where})"
@@ -81,11 +82,18 @@ def counts_sql(
             "FROM durable_workflowrun r WHERE r.concurrency_key = k.name "
             f"AND r.state IN ({holding})"
         )
+        # Per key by its name: a handler's key has no runs, so the pipelined count (sent
+        # before the keys are known) costs a handler's key no reads of the runs.
         firing = (
-            f"(SELECT count(*) {mine} AND t.state = %s AND NOT EXISTS (SELECT 1 {runs} "
-            f"AND r.id = t.target)) + (SELECT count(*) {runs})"
+            f"(CASE WHEN k.name LIKE %s THEN (SELECT count(*) {mine} AND t.state = %s "
+            f"AND NOT EXISTS (SELECT 1 {runs} AND r.id = t.target)) + "
+            f"(SELECT count(*) {runs}) ELSE {firing} END)"
         )
-        firing_args = [*params, _FIRING, *HOLDING, *HOLDING]
+        firing_args = [
+            f"{WORKFLOW_PREFIX}%",
+            *(*params, _FIRING, *HOLDING, *HOLDING),
+            *firing_args,
+        ]
     parts = (
         f"{firing}, "
         f"(SELECT count(*) {line} AND t.fire_at_ms < %s), "
@@ -111,3 +119,31 @@ def counts_sql(
         sql = f"SELECT k.name, {parts} FROM ({keys}) AS k"
         args.extend(names)
     return sql, args
+
+
+def in_ancestors_slot(db: str, name: str, timer_ids: list[int]) -> set[int]:
+    """Of the start timers ``timer_ids`` of key ``name``, those whose run has an ancestor
+    (its parent, or further up, through runs of any workflow) holding a slot of ``name``.
+
+    Such a run is admitted in its ancestor's slot (see
+    :func:`durable.storage.concurrency.admit`): the ancestor holds the slot until its end,
+    and one that waits for this run would otherwise wait for ever. One statement; the
+    runs are read, not locked: an ancestor's end waits for the key's row this
+    transaction holds before it frees the slot (:func:`~durable.storage.run_slots.release_runs`).
+    """
+    if not timer_ids:
+        return set()
+    where, params = statements.in_clause(connections[db].vendor, timer_ids)
+    holding = ", ".join(["%s"] * len(HOLDING))
+    with statements.cursor(db) as cursor:
+        cursor.execute(
+            "WITH RECURSIVE up(timer_id, run_id) AS ("
+            "SELECT t.id, r.parent_id FROM durable_timer t JOIN durable_workflowrun r "
+            f"ON r.id = t.target WHERE t.{where} AND r.parent_id IS NOT NULL "
+            "UNION ALL SELECT up.timer_id, r.parent_id FROM up JOIN durable_workflowrun r "
+            "ON r.id = up.run_id WHERE r.parent_id IS NOT NULL) "
+            "SELECT DISTINCT up.timer_id FROM up JOIN durable_workflowrun a ON a.id = up.run_id "
+            f"WHERE a.concurrency_key = %s AND a.state IN ({holding})",
+            [*params, name, *HOLDING],
+        )
+        return {int(row[0]) for row in cursor.fetchall()}

@@ -78,11 +78,11 @@ def lock_and_count(
       the key; the timer rows are the batch's, locked already). A timer whose key has no
       row yet is not in the join: it is read apart, and :func:`lock_keys` creates and
       locks its key (the caller then counts again, under that lock);
-    - :func:`~durable.storage.key_counts.counts` of those keys (a handler's: a workflow's
-      key is counted again by the caller). The server runs it once the first has its
-      locks, and takes its snapshot then: it sees every commit made before the locks were
-      granted, as a second round trip would. One statement could not: its snapshot is
-      taken before it waits for the locks.
+    - :func:`~durable.storage.key_counts.counts` of those keys, a workflow's key with its
+      runs (the statement tells the keys apart by name). The server runs it once the
+      first has its locks, and takes its snapshot then: it sees every commit made before
+      the locks were granted, as a second round trip would. One statement could not:
+      its snapshot is taken before it waits for the locks.
 
     ``active``: as :func:`~durable.storage.key_counts.counts`'. ``ended``: ``ids`` ended
     (:func:`release`): they are counted as they now are, not
@@ -95,7 +95,7 @@ def lock_and_count(
     if not ids or conn.vendor != "postgresql" or not statements.can_pipeline():
         return keyed_rows(db, ids), None, {}
     count_sql, count_args = key_counts.counts_sql(
-        conn.vendor, None, [] if ended else ids, workflow=False, keys_of=ids, active=active
+        conn.vendor, None, [] if ended else ids, workflow=True, keys_of=ids, active=active
     )
     # The cursors first: they open the connection the pipeline is entered on.
     with statements.cursor(db) as lock, statements.cursor(db) as count:

@@ -18,11 +18,16 @@ from django.test.utils import CaptureQueriesContext
 import durable
 from durable.core.ratelimit import parse_rate
 from durable.limits import ConcurrencyKey
-from durable.models import Timer
+from durable.models import Timer, WorkflowRun
 from durable.storage import concurrency
 from tests.integration import concurrency_support as support
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+@durable.workflow(concurrency_key="decided", max_concurrency=1)
+def decided(ctx):
+    """Never replayed here: its runs' start timers are what the decisions are about."""
 
 
 def recent(timer: Timer) -> list[int]:
@@ -101,3 +106,58 @@ def test_the_count_sees_the_commit_the_lock_waited_for(clock):
     finally:
         ender.join()
     assert parked == set(), "the slot the first timer freed is the second's"
+
+
+def start_of(run: WorkflowRun) -> Timer:
+    return Timer.objects.get(key=f"wf:{run.pk}:start")
+
+
+def test_a_workflow_keys_decision_counts_its_runs_in_the_one_round_trip(clock):
+    holder, second, third = decided.start(), decided.start(), decided.start()
+    name = holder.concurrency_key
+    ConcurrencyKey.objects.create(name=name, max_concurrency=2)
+    WorkflowRun.objects.filter(pk=holder.pk).update(state="sleeping")  # holds a slot
+    Timer.objects.filter(kind="workflow").update(attempts=1)  # counted, as a batch's are
+    limits = {start_of(second).pk: (2, None)}
+    with transaction.atomic(), CaptureQueriesContext(connection) as decided_in:
+        assert concurrency.admit("default", limits, clock.now_ms(), 16) == set()
+    if connection.vendor == "postgresql":
+        assert len(decided_in) == 2, [q["sql"] for q in decided_in]  # lock and count, pipelined
+    WorkflowRun.objects.filter(pk=second.pk).update(state="running")
+    with transaction.atomic():
+        limits = {start_of(third).pk: (2, None)}
+        parked = concurrency.admit("default", limits, clock.now_ms(), 16)
+    assert parked == {start_of(third).pk}, "the two runs hold both slots"
+
+
+def test_a_workflow_keys_count_sees_the_run_end_the_lock_waited_for(clock):
+    # As above for a handler's key: the run that held the slot ends (and commits) while
+    # the decision waits for the key's lock; the one count must see it ended.
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL; `make test` runs it against one")
+    holder, second = decided.start(), decided.start()
+    name = holder.concurrency_key
+    ConcurrencyKey.objects.create(name=name, max_concurrency=1)
+    WorkflowRun.objects.filter(pk=holder.pk).update(state="waiting")
+    locked = threading.Event()
+
+    def end_the_holder() -> None:
+        try:
+            with transaction.atomic():
+                ConcurrencyKey.objects.select_for_update().get(name=name)
+                WorkflowRun.objects.filter(pk=holder.pk).update(state="completed")
+                locked.set()
+                time.sleep(0.5)  # the decision waits for this lock meanwhile
+        finally:
+            connections.close_all()
+
+    ender = threading.Thread(target=end_the_holder)
+    ender.start()
+    try:
+        assert locked.wait(5)
+        with transaction.atomic():
+            limits = {start_of(second).pk: (1, None)}
+            parked = concurrency.admit("default", limits, 0, 16, {}, concurrency.Logs())
+    finally:
+        ender.join()
+    assert parked == set(), "the slot the ended run freed is the second's"
