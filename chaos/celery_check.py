@@ -2,22 +2,27 @@
 
 Reads the load's ``celery`` operations (each a ``durable.schedule_celery`` timer with its
 outcome, timer id and due time), their cancels, the timer rows, the faults, and the
-deliveries the run's consumer logged (:mod:`chaos.celery_dispatch`: task id, operation,
-arrival time by this machine's clock). The promises (docs/how-to/replace-celery-eta.md):
+deliveries: each run of the task by the run's stock Celery worker
+(:mod:`chaos.celery_dispatch`: task id, operation, when it ran by this machine's clock),
+and when the broker took each message (the workers' ``celery.published`` log lines). The
+promises (docs/how-to/replace-celery-eta.md):
 
 - ``celery_delivered``: each committed dispatch timer never cancelled was published,
-  its row is ``fired``, and its message arrived at least once; every message belongs to
-  a dispatch timer of the load.
+  its row is ``fired``, and the Celery worker ran its task at least once; every run
+  belongs to a dispatch timer of the load.
 - ``celery_dup_same_id_at_fault``: every message carries its timer's task id
   (``durable-<timer id>``, the idempotency key a task dedupes by), and a timer's second
   and later messages come only across a fault (a worker killed, frozen, cut from the
   database or held up between the publish and its batch's commit): some fault's span
   lies between the first message and this one, or overlaps one of them. (How soon the
   message comes again is lateness's business, not this invariant's.)
-- ``celery_never_early``: no message arrived before its timer was due.
+- ``celery_never_early``: no task ran before its timer was due.
 - ``celery_rolled_back_unsent``: a timer whose transaction rolled back sent nothing.
 - ``celery_cancelled_unsent``: a timer whose cancel committed (``cancel`` returned True)
-  sent nothing after that commit, and its row is not ``fired``.
+  sent nothing after that commit, and its row is not ``fired``. A task that ran after
+  the commit is allowed only if its message was published before it (a batch published
+  it, then died or rolled back before its commit, leaving the row to the cancel; the
+  Celery worker ran it a little later).
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ def check_celery(history: History, timers: dict[str, list[dict[str, Any]]], v: V
     }
     faults = [f for f in history.faults if f["kind"] != "restart"] + history.holds
     for op in ops:
-        _one(op, got.pop(op["op"], []), timers.get(op["op"], []), cancels, faults, v)
+        rows = timers.get(op["op"], [])
+        sent = history.published.get(op.get("timer_id") or 0, [])
+        _one(op, got.pop(op["op"], []), rows, sent, cancels, faults, v)
     for name, stray in sorted(got.items()):
         v.checked["celery_delivered"] += 1
         ids = sorted({str(d.get("task_id")) for d in stray})
@@ -73,6 +80,7 @@ def _one(
     op: dict[str, Any],
     got: list[dict[str, Any]],
     rows: list[dict[str, Any]],
+    sent: list[int],
     cancels: dict[str, dict[str, Any]],
     faults: list[dict[str, Any]],
     v: Verdict,
@@ -106,10 +114,12 @@ def _one(
     if cancel is not None:
         v.checked["celery_cancelled_unsent"] += 1
         late = [t for t in at if t > cancel["t1"]]
-        if late or state == "fired":
+        before = any(t <= cancel["t1"] for t in sent)
+        if (late and not before) or state == "fired":
             v.flag(
                 "celery_cancelled_unsent",
-                f"{ids}: cancel committed by {cancel['t1']}, state {state}, messages at {at}",
+                f"{ids}: cancel committed by {cancel['t1']}, state {state}, ran at {at}, "
+                f"published at {sent}",
             )
     else:
         v.checked["celery_delivered"] += 1

@@ -1,4 +1,4 @@
-"""The chaos run's Celery part: dispatch timers in the load, a consumer that logs deliveries.
+"""The chaos run's Celery part: dispatch timers in the load, a stock Celery worker running them.
 
 The load generator (:func:`schedule`) schedules, at a small rate, timers whose effect is a
 Celery task message: ``durable.schedule_celery`` as a user calls it, on a queue of the
@@ -8,20 +8,21 @@ The workers publish them with ``DURABLE["BROKER_URL"]`` set to the run's broker
 
 :class:`Session` is the orchestrator's side: it asks the broker whether it answers
 before anything starts (a broker that does not is an error naming it, never a silent
-skip; ``--no-celery`` turns the Celery part off), declares the queue as durable does,
-runs a kombu consumer thread that writes every delivered message (task id, the
-operation in its args, when it arrived, whether the broker redelivered it) to
-``celery.jsonl`` before acking it, waits for the queue to empty after the drain, and
-deletes the queue and its exchange at the end. :mod:`chaos.celery_check` checks the
-deliveries against the history.
+skip; ``--no-celery`` turns the Celery part off), declares the queue as durable and
+Celery do, and starts a stock ``celery worker`` on it (``testproject.celery_app``, a
+thread pool of 2, acks after running) whose ``testproject.record`` task appends each run
+(task id, the operation in its args, when it ran) to ``executions.jsonl``. After the
+drain it waits for the queue to empty and the worker to go quiet, stops the worker,
+and deletes the queue and its exchange. :mod:`chaos.celery_check` checks the runs
+against the history.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import threading
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,13 +31,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 #: The broker the run publishes to unless ``--celery-broker`` (or CHAOS_CELERY_BROKER) says.
 DEFAULT_BROKER = "amqp://guest:guest@127.0.0.1:5672//"
-#: The Celery task name the dispatch timers carry (no Celery worker runs it: the run's
-#: consumer only records the messages).
-TASK = "chaos.dispatched"
+#: The Celery task the dispatch timers send: the test project's Celery app records each
+#: run of it (task id, first argument, when) in ``executions.jsonl``.
+TASK = "testproject.record"
 #: Share of the load's transactions that schedule a dispatch timer (25/s: about 1 a second).
 SHARE = 0.04
-#: After the drain, the queue must stay empty this long before the consumer stops.
-QUIET_S = 1.0
+#: After the drain, the queue must stay empty and the worker idle this long before it stops.
+QUIET_S = 1.5
+REPO = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,25 +119,21 @@ def schedule(gen: Any) -> None:
 
 
 class Session:
-    """The run's queue on the broker, its consumer thread and its ledger file."""
+    """The run's queue on the broker and the stock Celery worker that consumes it."""
 
-    def __init__(self, url: str, queue: str, ledger: Path) -> None:
+    def __init__(self, url: str, queue: str, out: Path) -> None:
         self.url = url
         self.queue = queue
-        self.ledger = ledger
-        self.count = 0
-        self.last_ms = 0
+        self.out = out
         self.error = ""
-        self._lock = threading.Lock()
-        self._out = ledger.open("a")
-        self._consumer: Any = None
-        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def open(cls, args: argparse.Namespace, out: Path, stamp: str) -> Session | None:
         """The Celery part of this run, started; None with ``--no-celery``.
 
-        Raises SystemExit naming the broker when it does not answer."""
+        Raises SystemExit naming the broker when it does not answer, and naming the
+        Celery worker's log when the worker does not start consuming."""
         if args.no_celery:
             return None
         why = probe(args.celery_broker)
@@ -145,99 +143,96 @@ class Session:
                 f"({why}). Start it (.ci/run does), or leave the Celery dispatch out: "
                 "make chaos CELERY=0 (python -m chaos --no-celery)."
             )
-        queue = f"chaos.{args.seed}.{stamp}.{os.getpid()}"
-        session = cls(args.celery_broker, queue, out / "celery.jsonl")
-        session.start()
+        session = cls(args.celery_broker, f"chaos.{args.seed}.{stamp}.{os.getpid()}", out)
+        try:
+            session.start()
+        except BaseException:
+            session.stop()
+            session.close()
+            raise
         return session
 
     def worker_env(self) -> dict[str, str]:
-        """What the workers need to publish to the run's broker."""
+        """What the durable workers need to publish to the run's broker."""
         return {"DURABLE_BROKER_URL": self.url}
 
     def load_args(self) -> list[str]:
         """What the load generator needs to schedule dispatch timers on the run's queue."""
         return ["--celery-queue", self.queue]
 
-    def start(self) -> None:
-        """Declare the queue (as durable declares it) and start consuming it."""
-        from kombu import Connection, Consumer
-        from kombu.mixins import ConsumerMixin
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Declare the queue (as durable and Celery declare it), start a Celery worker on
+        it and wait until it consumes."""
+        from kombu import Connection
 
         from durable.dispatch.broker import direct_queue
 
-        queue = direct_queue(self.queue)
         with Connection(self.url) as conn:
-            queue(conn.default_channel).declare()
-        session = self
+            direct_queue(self.queue)(conn.default_channel).declare()
+        log = (self.out / "celery-worker.log").open("ab")
+        command = [
+            *(sys.executable, "-m", "celery", "-A", "testproject.celery_app", "worker"),
+            *("-Q", self.queue, "-P", "threads", "-c", "2", "-l", "INFO"),
+            *("-n", f"{self.queue}@%h", "--without-gossip", "--without-mingle"),
+            "--without-heartbeat",
+        ]
+        env = {**os.environ, "CELERY_BROKER_URL": self.url, "CELERY_OUT_DIR": str(self.out)}
+        env["PYTHONUNBUFFERED"] = "1"
+        self._proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()  # the child has its own descriptor
+        deadline = time.monotonic() + timeout_s
+        while self._state()[1] < 1:
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"chaos: the Celery worker on queue {self.queue} did not start consuming "
+                    f"within {timeout_s:g} s (exit {self._proc.poll()}); see "
+                    f"{self.out}/celery-worker.log"
+                )
+            time.sleep(0.2)
 
-        class _Consumer(ConsumerMixin):  # reconnects by itself if the connection drops
-            def __init__(self) -> None:
-                self.connection = Connection(session.url)
-
-            def get_consumers(self, consumer: Any, channel: Any) -> list[Any]:
-                del consumer  # the mixin's class; ours needs the channel only
-                return [Consumer(channel, [queue], callbacks=[session.on_message], accept=["json"])]
-
-        self._consumer = _Consumer()
-        self._thread = threading.Thread(target=self._run, name="celery-ledger", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._consumer.run()
-        except Exception as exc:  # reported with the verdict: deliveries may be missing
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    def on_message(self, body: Any, message: Any) -> None:
-        """Write one delivery to the ledger (flushed), then ack it."""
-        headers = message.headers or {}
-        args = body[0] if isinstance(body, list) and body else []
-        entry = {
-            "task_id": headers.get("id"),
-            "task": headers.get("task"),
-            "op": args[0] if args else None,
-            "at_ms": time.time_ns() // 1_000_000,
-            "redelivered": bool(message.delivery_info.get("redelivered")),
-        }
-        with self._lock:
-            self._out.write(json.dumps(entry, separators=(",", ":")) + "\n")
-            self._out.flush()
-            self.count += 1
-            self.last_ms = entry["at_ms"]
-        message.ack()
-
-    def waiting(self) -> int:
-        """Messages in the queue not yet delivered to the consumer."""
+    def _state(self) -> tuple[int, int]:
+        """(messages waiting in the queue, consumers of it)."""
         from kombu import Connection
 
         with Connection(self.url) as conn:
-            _, count, _ = conn.default_channel.queue_declare(self.queue, passive=True)
-            return int(count)
+            _, waiting, consumers = conn.default_channel.queue_declare(self.queue, passive=True)
+            return int(waiting), int(consumers)
 
     def finish(self, timeout_s: float = 30.0) -> None:
-        """Wait until the queue stays empty for :data:`QUIET_S`, then stop consuming."""
+        """Wait until the queue is empty and the worker has run nothing new for
+        :data:`QUIET_S` (it acks after running, so prefetched messages are not lost),
+        then stop the worker."""
         deadline = time.monotonic() + timeout_s
-        quiet_since = None
-        while time.monotonic() < deadline and self._thread and self._thread.is_alive():
+        seen, quiet_since = -1, time.monotonic()
+        while time.monotonic() < deadline and self._proc and self._proc.poll() is None:
             try:
-                empty = self.waiting() == 0
+                waiting, _ = self._state()
             except Exception as exc:  # the broker went away: stop waiting for it
                 self.error = f"{type(exc).__name__}: {exc}"
                 break
-            quiet_since = (quiet_since or time.monotonic()) if empty else None
-            if quiet_since and time.monotonic() - quiet_since >= QUIET_S:
+            ran = len(read_deliveries(self.out))
+            if waiting or ran != seen:
+                seen, quiet_since = ran, time.monotonic()
+            elif time.monotonic() - quiet_since >= QUIET_S:
                 break
             time.sleep(0.2)
+        if self._proc is not None and self._proc.poll() is not None and not self.error:
+            self.error = f"the Celery worker exited {self._proc.returncode} during the run"
         self.stop()
 
     def stop(self) -> None:
-        """Stop the consumer thread and close the ledger."""
-        if self._consumer is not None:
-            self._consumer.should_stop = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        with self._lock:
-            self._out.close()
+        """Stop the Celery worker: TERM (its warm shutdown), then KILL."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def close(self) -> None:
         """Delete the run's queue and exchange (runs leave nothing on the broker)."""
@@ -253,16 +248,16 @@ class Session:
 
     def summary(self) -> dict[str, Any]:
         """What the report says about the Celery part."""
-        return {
-            "broker": redacted(self.url),
-            "queue": self.queue,
-            "delivered": self.count,
-            "error": self.error,
-        }
+        return {"broker": redacted(self.url), "queue": self.queue, "error": self.error}
 
 
-def read_deliveries(path: Path) -> list[dict[str, Any]]:
-    """The consumer's ledger (``celery.jsonl``); empty when the run had no Celery part."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_deliveries(out: Path) -> list[dict[str, Any]]:
+    """Each run of the task by the Celery worker (``executions.jsonl`` in ``out``, written
+    by :func:`testproject.celery_app.record`): task id, operation and when it ran. Empty
+    when the run had no Celery part."""
+    from testproject.celery_app import read_executions
+
+    return [
+        {"task_id": run["task_id"], "op": run["key"], "at_ms": run["ran_ms"]}
+        for run in read_executions(out)
+    ]

@@ -67,7 +67,9 @@ class History:
     """Timer id → ``(failed, retry due)`` of its failed attempts, from the worker logs
     (:func:`chaos.lateness.retries_from_logs`): a retry's lateness counts from its due."""
     deliveries: list[dict[str, Any]] = field(default_factory=list)
-    """Celery messages the run's consumer logged (:mod:`chaos.celery_check`)."""
+    """Runs of the Celery tasks by the run's Celery worker (:mod:`chaos.celery_check`)."""
+    published: dict[int, list[int]] = field(default_factory=dict)
+    """Timer id → when the broker took each of its Celery messages, from the worker logs."""
     celery: dict[str, Any] | None = None
     """The Celery part's broker, queue and consumer error; None: the run had none."""
     end_ms: int = 0

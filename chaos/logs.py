@@ -1,13 +1,20 @@
-"""What the workers' logs tell the chaos checker: loop holds and failed attempts.
+"""What the workers' logs tell the chaos checker: loop holds, failed attempts, publishes.
 
 Read by :func:`chaos.run.check_and_report` from the run's ``worker-*.log`` files; the
-parsing itself is in :mod:`chaos.lateness` (pure).
+parsing of holds and retries is in :mod:`chaos.lateness` (pure).
 """
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 from typing import Any
+
+#: A worker's log line for a Celery message the broker took (durable.dispatch.celery).
+PUBLISHED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ celery\.published timer=(\d+) "
+)
 
 
 def loop_holds(out: Path) -> list[dict[str, Any]]:
@@ -41,4 +48,19 @@ def retries(out: Path) -> dict[int, list[tuple[int, int]]]:
         with path.open(errors="replace") as lines:
             for timer_id, failures in retries_from_logs(lines).items():
                 found.setdefault(timer_id, []).extend(failures)
+    return found
+
+
+def published(out: Path) -> dict[int, list[int]]:
+    """Timer id → when the broker took each of its Celery messages (epoch ms, the
+    worker's log time: this machine's local time, like the run's clock)."""
+    found: dict[int, list[int]] = {}
+    for path in sorted(out.glob("worker-*.log")):
+        with path.open(errors="replace") as lines:
+            for line in lines:
+                match = PUBLISHED.match(line)
+                if match:
+                    stamp, millis, timer_id = match.groups()
+                    at = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))
+                    found.setdefault(int(timer_id), []).append(int(at * 1000) + int(millis))
     return found

@@ -39,11 +39,11 @@ def celery_line(celery: dict[str, Any] | None) -> str:
     if celery is None:
         return "celery dispatch: off (--no-celery)"
     line = (
-        f"celery dispatch: {celery['delivered']:,} messages delivered from queue "
-        f"{celery['queue']} on {celery['broker']}"
+        f"celery dispatch: {celery['delivered']:,} tasks run by the Celery worker on queue "
+        f"{celery['queue']} of {celery['broker']}"
     )
     if celery.get("error"):
-        line += f"; CONSUMER ERROR: {celery['error']}"
+        line += f"; ERROR: {celery['error']}"
     return line
 
 
