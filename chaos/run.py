@@ -126,16 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     cluster = None
     restart_db = None
     url = args.database_url
-    if args.pg_restart:
-        from durable.testing.cluster import TemporaryCluster
-
-        cluster = TemporaryCluster()
-        cluster.start()
-        url = cluster.create_database("durable_chaos")
-        restart_db = cluster.restart
-    else:
-        recreate_database(url)
     try:
+        if args.pg_restart:
+            from durable.testing.cluster import TemporaryCluster
+
+            cluster = TemporaryCluster()
+            cluster.start()
+            url = cluster.create_database("durable_chaos")
+            restart_db = cluster.restart
+        else:
+            recreate_database(url)
         ok = run(args, url, out, restart_db, celery)
     finally:
         if celery is not None:
