@@ -55,13 +55,16 @@ WORKERS ?= 3
 LATENESS ?= fail
 # RAFT=1: the workers run Raft behind the run's proxy, with partitions and link delays.
 RAFT ?=
+# CELERY=0: no Celery dispatch in the load. Otherwise the broker (RabbitMQ on 127.0.0.1:5672,
+# or CHAOS_CELERY_BROKER) must answer, or the run stops and says so.
+CELERY ?= 1
 CHAOS_DATABASE_URL ?= $(patsubst %/,%,$(dir $(DURABLE_TEST_DATABASE_URL)))/durable_chaos
 CHAOS_ARGS ?=
 
 chaos: venv
 	$(BIN)/python -m chaos --minutes $(MINUTES) --seed $(SEED) --workers $(WORKERS) \
 		--lateness $(LATENESS) --database-url "$(CHAOS_DATABASE_URL)" $(if $(RAFT),--raft) \
-		$(CHAOS_ARGS)
+		$(if $(filter 0,$(CELERY)),--no-celery) $(CHAOS_ARGS)
 
 # The installed package works: the wheel, a fresh virtualenv without the dev extras, a new
 # startproject outside the checkout (scripts/wheel_smoke.sh says what it checks).

@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from chaos.celery_check import CELERY_INVARIANTS, check_celery
 from chaos.lateness import Bounds, explain, retry_due
 
 __all__ = ["INVARIANTS", "Bounds", "History", "Verdict", "check"]
@@ -37,6 +38,7 @@ INVARIANTS = (
     "poison_dead_lettered",
     "nothing_stuck",
     "lateness_within_bound",
+    *CELERY_INVARIANTS,
 )
 FINISHED = {"fired", "failed", "canceled"}
 
@@ -64,6 +66,12 @@ class History:
     retries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """Timer id → ``(failed, retry due)`` of its failed attempts, from the worker logs
     (:func:`chaos.lateness.retries_from_logs`): a retry's lateness counts from its due."""
+    deliveries: list[dict[str, Any]] = field(default_factory=list)
+    """Runs of the Celery tasks by the run's Celery worker (:mod:`chaos.celery_check`)."""
+    published: dict[int, list[int]] = field(default_factory=dict)
+    """Timer id → when the broker took each of its Celery messages, from the worker logs."""
+    celery: dict[str, Any] | None = None
+    """The Celery part's broker, queue and consumer error; None: the run had none."""
     end_ms: int = 0
     """When the drain ended: nothing due before it may still be pending."""
     bounds: Bounds = field(default_factory=Bounds)
@@ -86,6 +94,8 @@ class Verdict:
     """Invariants whose violations are reported without failing the run."""
     checked: Counter[str] = field(default_factory=Counter)
     """How many items each invariant looked at."""
+    celery: dict[str, Any] | None = None
+    """:attr:`History.celery` with the count of messages, for the report."""
     chained: int = 0
     """Fires within their bound only because a fault struck during the recovery from
     another (see :func:`chaos.lateness.explain`)."""
@@ -167,6 +177,9 @@ def check(history: History, *, report_only: frozenset[str] = frozenset()) -> Ver
     _ledger_early(history, verdict)
     _stuck(history, verdict)
     _lateness(history, idx, verdict)
+    check_celery(history, idx.timers, verdict)
+    if history.celery is not None:
+        verdict.celery = {**history.celery, "delivered": len(history.deliveries)}
     for name in INVARIANTS:
         verdict.violations.setdefault(name, [])
     return verdict

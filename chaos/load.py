@@ -10,8 +10,8 @@ only after its transaction's outcome is known:
 
 Kinds: ``timer`` (atomic, external or flaky handler, maybe with a key, a parent or an
 ``on_complete``), ``dup`` (the same key scheduled again), ``cancel``, ``reschedule``,
-``workflow``, ``signal``, ``poison`` and ``cron``. The checker reads nothing else from
-this process.
+``workflow``, ``signal``, ``poison``, ``cron`` and, with ``--celery-queue``, ``celery``
+(:mod:`chaos.celery_dispatch`). The checker reads nothing else from this process.
 
 Faster: ``--threads N`` runs N generators at once (own seeds, own operation ids, one
 history; the schedules are made once), and ``--together K`` schedules plain timers K to
@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import IO, Any
+
+from chaos import celery_dispatch
 
 POISONS = ("SystemExit", "hang")
 #: Every this many poison operations, one exits its worker's process (``os._exit``), on
@@ -61,6 +63,7 @@ class Generator:
         self.later: list[tuple[float, int, Callable[[], None]]] = []
         self.n_later = 0
         self.poisons = 0
+        self.celery_queue = ""  # the run's Celery queue; empty: no dispatch timers
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -335,6 +338,8 @@ class Generator:
             (0.07, self.family),
             (0.30 - poison_share, self.workflow),
             (poison_share, self.poison),
+            # Last, weighing 0 without a queue: other picks stay as they were for a seed.
+            (celery_dispatch.share(self), lambda: celery_dispatch.schedule(self)),
         ]
         weights = [w for w, _ in kinds]
         end = time.monotonic() + seconds
@@ -372,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poison-share", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1, help="generators at once")
     parser.add_argument("--together", type=int, default=1, help="plain timers per transaction")
+    parser.add_argument("--celery-queue", default="", help="schedule Celery dispatch timers")
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
     import django
@@ -383,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.threads):  # own seeds and ids; one makes the schedules
             gen = Generator(out, args.seed + i, args.rate / args.threads, lock=lock)
             gen.count, gen.make_crons, gen.together = i * 100_000_000, i == 0, args.together
+            gen.celery_queue = args.celery_queue
             threads.append(threading.Thread(target=gen.run, args=(args.seconds, args.poison_share)))
             threads[-1].start()
         for thread in threads:

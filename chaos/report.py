@@ -30,7 +30,21 @@ def table(verdict: Verdict) -> str:
     for kind, worst in sorted(verdict.lateness.items()):
         lines.append(f"  {kind:<28} {worst:>10,}   {verdict.worst.get(kind, '')}")
     lines.append(f"  fires within bounds only through a chain of faults: {verdict.chained:,}")
+    lines += ["", celery_line(verdict.celery)]
     return "\n".join(lines)
+
+
+def celery_line(celery: dict[str, Any] | None) -> str:
+    """What the run's Celery dispatch part did: off, or messages from which queue."""
+    if celery is None:
+        return "celery dispatch: off (--no-celery)"
+    line = (
+        f"celery dispatch: {celery['delivered']:,} tasks run by the Celery worker on queue "
+        f"{celery['queue']} of {celery['broker']}"
+    )
+    if celery.get("error"):
+        line += f"; ERROR: {celery['error']}"
+    return line
 
 
 def failure_details(

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from chaos import celery_dispatch
 from chaos.nemesis import KINDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +93,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(KINDS),
         help=f"comma-separated fault kinds the nemesis uses (default: {','.join(KINDS)})",
     )
+    celery_dispatch.add_arguments(parser)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--recheck",
@@ -120,27 +122,31 @@ def main(argv: list[str] | None = None) -> None:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     out: Path = args.out or REPO / ".chaos" / f"{stamp}-seed{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
+    celery = celery_dispatch.Session.open(args, out, stamp)  # first: a dead broker stops it
     cluster = None
     restart_db = None
     url = args.database_url
-    if args.pg_restart:
-        from durable.testing.cluster import TemporaryCluster
-
-        cluster = TemporaryCluster()
-        cluster.start()
-        url = cluster.create_database("durable_chaos")
-        restart_db = cluster.restart
-    else:
-        recreate_database(url)
     try:
-        ok = run(args, url, out, restart_db)
+        if args.pg_restart:
+            from durable.testing.cluster import TemporaryCluster
+
+            cluster = TemporaryCluster()
+            cluster.start()
+            url = cluster.create_database("durable_chaos")
+            restart_db = cluster.restart
+        else:
+            recreate_database(url)
+        ok = run(args, url, out, restart_db, celery)
     finally:
+        if celery is not None:
+            celery.stop()
+            celery.close()
         if cluster is not None:
             cluster.destroy()
     sys.exit(0 if ok else 1)
 
 
-def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
+def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any, celery: Any) -> bool:
     os.environ["DATABASE_URL"] = url
     os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     for key in [k for k in os.environ if k.startswith("DURABLE_")]:
@@ -170,6 +176,7 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
             "DURABLE_IMPORTS": "testproject.demo.chaos",
             "DURABLE_LOG_LEVEL": "INFO",
             **(raft.env() if raft else {}),
+            **(celery.worker_env() if celery else {}),
         },
     )
     faults_path = out / "faults.jsonl"
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
                 restart_db=restart_db,
                 raft=raft,
             )
-            load = start_load(args, history_path, out)
+            load = start_load(args, history_path, out, celery.load_args() if celery else [])
             while load.poll() is None:
                 nemesis.tick()
                 nemesis.watch_crashes()
@@ -200,8 +207,13 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
             if load.returncode != 0:
                 print(f"chaos: the load generator exited {load.returncode}; see {out}/load.log")
             drained = drain(pool, nemesis, args.drain_s)
+            if celery is not None:
+                celery.finish()  # every message the workers published, in the ledger
             end_ms = wall_ms()
-            (out / "run.json").write_text(json.dumps({"t0_ms": t0_ms, "end_ms": end_ms}))
+            summary = celery.summary() if celery else None
+            (out / "run.json").write_text(
+                json.dumps({"t0_ms": t0_ms, "end_ms": end_ms, "celery": summary})
+            )
             print(
                 f"chaos: drained in {drained:.1f} s" if drained >= 0 else "chaos: drain timed out"
             )
@@ -209,7 +221,7 @@ def run(args: argparse.Namespace, url: str, out: Path, restart_db: Any) -> bool:
         pool.stop_all()
         if raft is not None:
             raft.close()
-    return check_and_report(args, out, t0_ms, end_ms)
+    return check_and_report(args, out, t0_ms, end_ms, summary)
 
 
 def recheck(args: argparse.Namespace) -> bool:
@@ -220,10 +232,14 @@ def recheck(args: argparse.Namespace) -> bool:
 
     django.setup()
     times = json.loads((args.recheck / "run.json").read_text())
-    return check_and_report(args, args.recheck, times["t0_ms"], times["end_ms"])
+    return check_and_report(
+        args, args.recheck, times["t0_ms"], times["end_ms"], times.get("celery")
+    )
 
 
-def start_load(args: argparse.Namespace, history: Path, out: Path) -> subprocess.Popen[bytes]:
+def start_load(
+    args: argparse.Namespace, history: Path, out: Path, extra: list[str]
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
@@ -240,6 +256,7 @@ def start_load(args: argparse.Namespace, history: Path, out: Path) -> subprocess
         str(args.load_threads),
         "--together",
         str(args.together),
+        *extra,
     ]
     log = (out / "load.log").open("ab")
     return subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log)
@@ -301,44 +318,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def loop_holds(out: Path) -> list[dict[str, Any]]:
-    """Every hold of a worker's loop by an atomic handler past its timeout, and every span
-    in which hanging external handlers held all of a worker's handler threads, from the
-    logs."""
-    import testproject.demo.chaos  # noqa: F401  (the workers' DURABLE_IMPORTS)
-    from chaos.lateness import Bounds, holds_from_logs, thread_holds_from_logs
-    from durable.conf import get_settings
-    from durable.discovery import discover
-    from durable.dispatch.registry import handlers
-
-    discover(get_settings())  # the handlers the workers found, to tell atomic ones
-    atomic = {name for name in handlers.names() if (spec := handlers.get(name)) and spec.atomic}
-    holds: list[dict[str, Any]] = []
-    for path in sorted(out.glob("worker-*.log")):
-        worker = path.stem.removeprefix("worker-")
-        with path.open(errors="replace") as lines:
-            holds += holds_from_logs(lines, worker, atomic)
-        with path.open(errors="replace") as lines:  # the workers run the default --threads
-            holds += thread_holds_from_logs(lines, worker, Bounds().handler_threads)
-    return holds
-
-
-def retries(out: Path) -> dict[int, list[tuple[int, int]]]:
-    """Timer id → ``(failed, retry due)`` of each failed attempt, from the worker logs."""
-    from chaos.lateness import retries_from_logs
-
-    found: dict[int, list[tuple[int, int]]] = {}
-    for path in sorted(out.glob("worker-*.log")):
-        with path.open(errors="replace") as lines:
-            for timer_id, failures in retries_from_logs(lines).items():
-                found.setdefault(timer_id, []).extend(failures)
-    return found
-
-
-def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int) -> bool:
+def check_and_report(
+    args: argparse.Namespace, out: Path, t0_ms: int, end_ms: int, celery: Any = None
+) -> bool:
     from django.db import connection
 
-    from chaos import checker, report
+    from chaos import checker, logs, report
     from durable.conf import get_settings
     from durable.models import CronSchedule, Timer, WorkflowRun
     from testproject.demo.models import FireRecord
@@ -362,8 +347,11 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
         ],
         runs=list(WorkflowRun.objects.values("id", "name", "state", "result")),
         schedules=list(CronSchedule.objects.values("name", "next_ms", "skipped_count")),
-        holds=loop_holds(out),
-        retries=retries(out),
+        holds=logs.loop_holds(out),
+        retries=logs.retries(out),
+        deliveries=celery_dispatch.read_deliveries(out),
+        published=logs.published(out),
+        celery=celery,
         end_ms=end_ms,
         bounds=bounds,
     )
@@ -381,6 +369,7 @@ def check_and_report(args: argparse.Namespace, out: Path, t0_ms: int, end_ms: in
                 "checked": verdict.checked,
                 "lateness_ms": verdict.lateness,
                 "chained": verdict.chained,
+                "celery": verdict.celery,
                 "worst": verdict.worst,
                 "violations": verdict.violations,
             },

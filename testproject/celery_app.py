@@ -1,4 +1,4 @@
-"""A tiny Celery app for tests and the benchmark: a stock worker runs what durable publishes.
+"""A tiny Celery app for tests, the benchmark and the chaos run: a stock Celery worker.
 
 Start it with ``celery -A testproject.celery_app worker``. It does not load Django: its
 task appends one JSON line per execution to a file in ``CELERY_OUT_DIR``, so tests can
