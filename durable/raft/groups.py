@@ -28,53 +28,20 @@ from typing import Any
 from durable.raft import standby
 from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
 from durable.raft.polling import restart_election_timer_while_alone
-from durable.raft.state import MAX_COMMAND_ENTRIES, BadBatch, Handed, ShardState, shape
+from durable.raft.state import MAX_COMMAND_ENTRIES, Handed, ShardState, shape
 from durable.worker.logs import event
 
 log = logging.getLogger("durable.raft")
 
-DRAIN_PER_TICK = 2_000
-"""Most timer entries the sidecar appends per tick (40,000/s at the default 50 ms tick),
-so replicating a big rebuild never crowds out the fire path for the interpreter."""
+DRAIN_PER_S = 100_000
+"""Most timer entries the sidecar appends a second (5,000 per tick at the default 50 ms
+tick), so replicating a big rebuild never crowds out the fire path for the interpreter.
+A fire is two entries (the fired timer out, a new one in): 50,000 fires a second.
+``bench/raft_replication.py``: at 2,000 per tick, 20,000 fires a second from one leader
+filled the budget and the lag grew without bound (p99 16 s over 20 s)."""
 
 BALANCE_STEP = 8
 """Most leaderships one balancing round hands over."""
-
-
-def _consumer_class() -> type:
-    from pysyncobj import SyncObjConsumer, replicated
-
-    class ShardConsumer(SyncObjConsumer):  # type: ignore[misc]
-        """The pysyncobj side of one shard: applies batches to a :class:`ShardState`."""
-
-        def __init__(self, shard: int, now_ms: Callable[[], int]) -> None:
-            # Set before SyncObjConsumer.__init__, which marks the attributes present now
-            # as not part of the replicated state: only ``state`` is serialized.
-            self.shard = shard
-            self.now_ms = now_ms
-            self.lag_ms = 0
-            # apply() runs on the sidecar, the takeover's read of the standby
-            # (GroupSet.standby_due) on the worker's loop.
-            self.lock = threading.Lock()
-            super().__init__()
-            self.state = ShardState()
-
-        @replicated  # type: ignore[untyped-decorator]
-        def apply(self, batch: Any) -> None:
-            try:
-                with self.lock:
-                    self.state.apply(batch)
-            except BadBatch as exc:  # only a node holding the password can get here
-                event(log, logging.WARNING, "raft.bad_batch", shard=self.shard, error=exc)
-                return
-            if batch["at_ms"]:
-                self.lag_ms = max(0, self.now_ms() - batch["at_ms"])
-
-        def _deserialize(self, data: Any) -> None:
-            with self.lock:  # a snapshot from the leader replaces the state whole
-                super()._deserialize(data)
-
-    return ShardConsumer
 
 
 @dataclass(slots=True)
@@ -108,6 +75,7 @@ class GroupSet:
         self._thread: threading.Thread | None = None
         self._stable_since = time.monotonic()
         self._next_balance = time.monotonic() + config.balance_s
+        self._drain_from = 0
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -126,7 +94,7 @@ class GroupSet:
             )
         from durable.raft.polling import groups_share, shared_poller
 
-        consumer_class = _consumer_class()
+        consumer_class = standby.consumer_class()
         self.poller = shared_poller()
         c = self.config
         for shard in self.shards:
@@ -222,8 +190,12 @@ class GroupSet:
                 self.stop_event.wait(tick)
 
     def _turn(self, now: float) -> None:
-        budget = [DRAIN_PER_TICK]
-        for group in self.groups.values():
+        budget = [max(1, int(DRAIN_PER_S * self.config.tick_s))]
+        # Drained from a different group each turn: a full budget is shared, not spent
+        # by the first groups on every turn while the last ones' outboxes grow.
+        self._drain_from = (self._drain_from + 1) % max(1, len(self.groups))
+        order = list(self.groups.values())
+        for group in order[self._drain_from :] + order[: self._drain_from]:
             if not group.met_peers:  # start-up only: see the function
                 group.met_peers = not restart_election_timer_while_alone(group.syncobj, now)
             group.syncobj.doTick(0.0)
@@ -234,7 +206,7 @@ class GroupSet:
             self._balance(now)
 
     def _drain(self, group: Group, budget: list[int]) -> None:
-        # At most DRAIN_PER_TICK entries per tick over all groups: replicating a rebuild
+        # At most DRAIN_PER_S entries a second over all groups: replicating a rebuild
         # of tens of thousands of timers at once held the GIL the fire path needs.
         while budget[0] > 0:
             try:

@@ -17,7 +17,15 @@ the due ones out of the dict at takeover is one pass over the shard's entries (s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from durable.raft.state import BadBatch, ShardState
+from durable.worker.logs import event
+
+log = logging.getLogger("durable.raft")
 
 
 def overdue(pending: Mapping[int, int], now_ms: int) -> list[tuple[int, int]]:
@@ -26,3 +34,41 @@ def overdue(pending: Mapping[int, int], now_ms: int) -> list[tuple[int, int]]:
     due = [(fire_at, timer_id) for timer_id, fire_at in pending.items() if fire_at <= now_ms]
     due.sort()
     return [(timer_id, fire_at) for fire_at, timer_id in due]
+
+
+def consumer_class() -> type:
+    """The pysyncobj consumer of one shard's group (pysyncobj imported on call: with Raft
+    off nothing of it loads)."""
+    from pysyncobj import SyncObjConsumer, replicated
+
+    class ShardConsumer(SyncObjConsumer):  # type: ignore[misc]
+        """The pysyncobj side of one shard: applies batches to a :class:`ShardState`."""
+
+        def __init__(self, shard: int, now_ms: Callable[[], int]) -> None:
+            # Set before SyncObjConsumer.__init__, which marks the attributes present now
+            # as not part of the replicated state: only ``state`` is serialized.
+            self.shard = shard
+            self.now_ms = now_ms
+            self.lag_ms = 0
+            # apply() runs on the sidecar, the takeover's read of the standby
+            # (GroupSet.standby_due) on the worker's loop.
+            self.lock = threading.Lock()
+            super().__init__()
+            self.state = ShardState()
+
+        @replicated  # type: ignore[untyped-decorator]
+        def apply(self, batch: Any) -> None:
+            try:
+                with self.lock:
+                    self.state.apply(batch)
+            except BadBatch as exc:  # only a node holding the password can get here
+                event(log, logging.WARNING, "raft.bad_batch", shard=self.shard, error=exc)
+                return
+            if batch["at_ms"]:
+                self.lag_ms = max(0, self.now_ms() - batch["at_ms"])
+
+        def _deserialize(self, data: Any) -> None:
+            with self.lock:  # a snapshot from the leader replaces the state whole
+                super()._deserialize(data)
+
+    return ShardConsumer

@@ -166,3 +166,13 @@ def test_the_first_node_started_does_not_win_every_group():
     finally:
         for g in sets:
             g.stop()
+
+
+@pytest.mark.parametrize("size", [0, 1, 109, 65_535, 65_536, 200_001])
+def test_frames_go_out_as_zlib_streams_pysyncobj_reads(size):
+    import zlib
+
+    data = random.Random(size).randbytes(size)
+    framed = transport._zlib_stored(data)
+    assert zlib.decompress(framed) == data  # what pysyncobj's receiver runs on every frame
+    assert len(framed) <= size + 11 + 5 * (size // transport.STORED_BLOCK)  # stored, no more
