@@ -9,8 +9,7 @@ and drains their replication queues. The groups share one poller
 (:mod:`durable.raft.polling`): the sidecar sleeps in one ``poll`` over all their sockets
 between turns and reads each message as it arrives; they share nothing else.
 
-pysyncobj is imported here and only here (and in :mod:`durable.raft.transport`), when a
-:class:`GroupSet` is built: with Raft off, nothing of it is loaded.
+pysyncobj is imported only when a :class:`GroupSet` is built: with Raft off, none loads.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Any
 
 from durable.raft import standby
 from durable.raft.config import RaftBindError, RaftConfig, check_bindable, election_window
-from durable.raft.polling import restart_election_timer_while_alone
+from durable.raft.polling import restart_election_timer_while_alone, transfer_leadership_away
 from durable.raft.state import MAX_COMMAND_ENTRIES, Handed, ShardState, shape
 from durable.worker.logs import event
 
@@ -76,6 +75,10 @@ class GroupSet:
         self._stable_since = time.monotonic()
         self._next_balance = time.monotonic() + config.balance_s
         self._drain_from = 0
+        # Shards whose leadership goes: to these peers (None: any, spread) until then
+        # (monotonic); see hand_away and _balance.
+        self._handing_away: dict[int, tuple[str | None, float]] = {}
+        self._handing_lock = threading.Lock()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -199,7 +202,10 @@ class GroupSet:
             if not group.met_peers:  # start-up only: see the function
                 group.met_peers = not restart_election_timer_while_alone(group.syncobj, now)
             group.syncobj.doTick(0.0)
-            self._drain(group, budget)
+            if group.shard in self._handing_away:
+                self._transfer_away(group, now)
+            else:
+                self._drain(group, budget)
             self._observe(group, now)
         if self.config.balance_s and now >= self._next_balance:
             self._next_balance = now + self.config.balance_s
@@ -220,6 +226,20 @@ class GroupSet:
             for one in batches:
                 group.consumer.apply(one)
                 budget[0] -= 1 + len(one["add"]) + len(one["remove"])
+
+    def _transfer_away(self, group: Group, now: float) -> None:
+        # Its news is not drained meanwhile: pysyncobj transfers only to a follower caught
+        # up with the log, never the case under a steady load (refused every time).
+        target, until = self._handing_away[group.shard]
+        shard = group.shard
+        peers = [self.config.group_address(p, shard) for p in self.config.peers]
+        if target is not None:
+            peers = [self.config.group_address(target, shard)]
+        first = shard % len(peers) if peers else 0  # spread over the peers
+        leads = transfer_leadership_away(group.syncobj, peers[first:] + peers[:first], _node)
+        if not leads or now >= until:
+            with self._handing_lock:
+                self._handing_away.pop(shard, None)
 
     def _observe(self, group: Group, now: float) -> None:
         node = group.syncobj._getLeader()
@@ -280,10 +300,25 @@ class GroupSet:
             if target is None or counts.get(target, 0) >= share:
                 return
             counts[target] = counts.get(target, 0) + 1
-            self.groups[shard].syncobj.transferLeadership(self.config.group_address(target, shard))
+            with self._handing_lock:  # see _transfer_away; given up after 3 heartbeats
+                self._handing_away.setdefault(shard, (target, now + 3 * self.config.heartbeat_s))
             event(log, logging.INFO, "raft.transfer", shard=shard, to=target)
 
     # -- the worker's interface ----------------------------------------------------------
+
+    def hand_away(self, shards: list[int]) -> None:
+        """Hand the leadership of ``shards`` that this node leads to its peers (a stopping
+        node: the peers then take those shards' leases at once, with no election timeout
+        to wait for). The sidecar stops replicating them and asks pysyncobj for a transfer
+        (Raft's TimeoutNow) every turn until another node leads."""
+        with self._handing_lock:
+            for shard in shards:
+                if shard in self.groups:
+                    self._handing_away[shard] = (None, math.inf)
+
+    def leads_any(self, shards: list[int]) -> bool:
+        """True while this node still leads one of ``shards``."""
+        return any(self.is_leader(s) for s in shards)
 
     def is_leader(self, shard: int) -> bool:
         """True when this node is shard ``shard``'s Raft leader."""

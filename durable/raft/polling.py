@@ -9,8 +9,8 @@ moment it arrives (a vote, a heartbeat, an append) and runs the groups' timer wo
 heartbeats, commits) once per tick. The groups keep a :class:`GroupPoller`, whose
 ``poll`` does nothing: pysyncobj's tick ends with a poll of its own poller.
 
-Also here, because it too reaches into one ``SyncObj``'s timers for the sidecar:
-:func:`restart_election_timer_while_alone`.
+Also here, because they too reach into one ``SyncObj`` for the sidecar:
+:func:`restart_election_timer_while_alone` and :func:`transfer_leadership_away`.
 """
 
 from __future__ import annotations
@@ -82,4 +82,22 @@ def restart_election_timer_while_alone(syncobj: Any, now: float) -> bool:
     deadline = syncobj._SyncObj__raftElectionDeadline
     if deadline < now + syncobj._SyncObj__conf.raftMinTimeout:
         syncobj._SyncObj__raftElectionDeadline = now + syncobj._SyncObj__generateRaftTimeout()
+    return True
+
+
+def transfer_leadership_away(syncobj: Any, peers: list[str], node: Callable[[str], Any]) -> bool:
+    """Ask pysyncobj to hand ``syncobj``'s leadership to one of ``peers`` (group
+    addresses, in order of preference; a connected one, caught up), by Raft's TimeoutNow;
+    return True while this node still leads (the sidecar asks again next turn).
+
+    pysyncobj refuses a transfer to a follower not caught up with the log; a group whose
+    news is no longer replicated (a stopping node's) catches up within a heartbeat or two.
+    """
+    if not syncobj._isLeader():
+        return False
+    answers: list[bool] = []  # pysyncobj answers each request at once: refused or not
+    for target in [p for p in peers if syncobj.isNodeConnected(node(p))] + [None]:
+        syncobj.transferLeadership(target, lambda _res, err: answers.append(bool(err)))
+        if answers and not answers[-1]:
+            break
     return True

@@ -17,6 +17,10 @@ from durable.worker import raftlink
 from durable.worker.logs import event
 from durable.worker.runner import load_acquired
 
+HAND_AWAY_WAIT_S = 1.0
+"""A stopping node with Raft on waits this long at most for its groups' new leaders
+(a transfer takes a heartbeat or two) before it goes; past it, its groups elect them."""
+
 if TYPE_CHECKING:
     from durable.worker.runner import ShardRunner
 
@@ -126,11 +130,23 @@ class Ownership:
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
 
+    def _wait_for_new_leaders(self, deadline: float) -> None:
+        """Raft on: give the leadership transfers asked for up to ``HAND_AWAY_WAIT_S``
+        (within the grace ``deadline``) to finish while this node's groups still run."""
+        if self.raft is None:
+            return
+        until = min(deadline, time.monotonic() + HAND_AWAY_WAIT_S)
+        shards = list(range(self.conf.SHARDS))
+        while self.raft.leads_any(shards) and time.monotonic() < until:
+            time.sleep(0.02)
+
     def _hand_over(self, deadline: float) -> None:
         """Stopping: wait for the external attempts in flight (until ``deadline``, a
         ``time.monotonic()`` reading), handing every other shard over meanwhile.
 
-        The node is marked stopped first, so peers count it out and take at once what it
+        With Raft on, the leadership of each shard it hands over goes to a peer first
+        (:meth:`durable.raft.groups.GroupSet.hand_away`), which then takes the lease at
+        once. The node is marked stopped first, so peers count it out and take at once what it
         releases: each shard with no attempt in flight goes now, each busy one as soon as
         its attempts are done. The busy ones' leases are renewed while they wait: a grace
         period longer than ``LEASE_TTL_S`` must not let them lapse, or a peer would take
@@ -139,11 +155,15 @@ class Ownership:
         lease_store.mark_stopped(self.db, self.node, self.clock.now_ms())
         next_renew_ms = 0
         while True:
-            for shard in sorted(set(self.runners) - self.firer.external.busy_shards()):
+            busy = self.firer.external.busy_shards()
+            if self.raft is not None:  # the peers lead them next: no election to wait for
+                self.raft.hand_away([s for s in range(self.conf.SHARDS) if s not in busy])
+            for shard in sorted(set(self.runners) - busy):
                 runner = self.runners.pop(shard)
                 self.keeper.release(shard, runner.token, runner.cursor_ms)
                 self.metrics.on_lease("released", len(self.runners))
             if not self.firer.in_flight or time.monotonic() >= deadline:
+                self._wait_for_new_leaders(deadline)
                 return
             now = self.clock.now_ms()
             if now >= next_renew_ms:  # no heartbeat: that would count the node in again

@@ -176,3 +176,23 @@ def test_frames_go_out_as_zlib_streams_pysyncobj_reads(size):
     framed = transport._zlib_stored(data)
     assert zlib.decompress(framed) == data  # what pysyncobj's receiver runs on every frame
     assert len(framed) <= size + 11 + 5 * (size // transport.STORED_BLOCK)  # stored, no more
+
+
+def test_a_stopping_node_hands_its_leaderships_to_its_peers_with_no_election_wait():
+    addrs = addresses()
+    sets = start(addrs, ["pw"] * 3)
+    try:
+        wait(lambda: all(g.leader_of(s) for g in sets for s in range(SHARDS)))
+        leader = next(g for g in sets if any(g.is_leader(s) for s in range(SHARDS)))
+        led = [s for s in range(SHARDS) if leader.is_leader(s)]
+        terms = {s: leader.term(s) for s in led}
+        leader.hand_away(list(range(SHARDS)))
+        # While it still runs: nothing else would move a live leader's groups (no
+        # election timeout passes while it sends heartbeats).
+        wait(lambda: not leader.leads_any(list(range(SHARDS))), timeout_s=5)
+        others = [g for g in sets if g is not leader]
+        wait(lambda: all(any(g.is_leader(s) for g in others) for s in led), timeout_s=5)
+        assert all(leader.term(s) == terms[s] + 1 for s in led)  # one round, no split vote
+    finally:
+        for g in sets:
+            g.stop()
