@@ -33,21 +33,21 @@ def at(ms: int) -> datetime:
 
 
 def check_timing(what: str, value_ms: float, limit_ms: float) -> None:
-    """Check one of issue 17's Raft timing targets (2 s failover, 1 s rolling restart).
+    """Assert one of issue 17's Raft timing targets (2 s failover, 1 s rolling restart).
 
-    Correctness (nothing lost, doubled or early; nothing under an old token) is always
-    asserted by the tests themselves. The timing targets are not met reliably yet on the
-    2-core CI machine (2.0-2.4 s measured where 2 s is the target; issue 17 is open), so a
-    miss is an expected failure that names the figure, unless ``DURABLE_RAFT_TIMING=strict``
-    (then it fails, as it will by default once the targets hold).
+    A miss fails, naming the figure and the load. Until 2026-12-07 a miss was an expected
+    failure (the targets did not hold on the 2-core machine); since the graceful hand-off
+    and the election fix every run met them with room (SIGKILL 0.9 s, SIGSTOP 0.9 s,
+    partition 1.0 s, rolling restart 0.3 s). ``DURABLE_RAFT_TIMING=report`` turns a miss
+    back into an expected failure, for a machine known to be overloaded.
     """
     if value_ms <= limit_ms:
         return
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     message = f"{what}: {value_ms:.0f} ms > {limit_ms:.0f} ms (load {load:.1f}/{cores})"
-    if os.environ.get("DURABLE_RAFT_TIMING") == "strict":
-        raise AssertionError(message)
-    pytest.xfail(f"issue 17 target not met yet: {message}")
+    if os.environ.get("DURABLE_RAFT_TIMING") == "report":
+        pytest.xfail(f"issue 17 target missed on this machine: {message}")
+    raise AssertionError(message)
 
 
 def skip_without_raft() -> None:
