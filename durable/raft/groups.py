@@ -68,8 +68,7 @@ class GroupSet:
         self.now_ms = now_ms
         self.groups: dict[int, Group] = {}
         self.stop_event = threading.Event()
-        self.changed = threading.Event()
-        """Set by the sidecar when a leadership changes; the worker clears it."""
+        self.changed = threading.Event()  # set on a leadership change; the worker clears it
         self.leadership_changes = 0
         self._thread: threading.Thread | None = None
         self._stable_since = time.monotonic()
@@ -367,12 +366,13 @@ class GroupSet:
         if group is not None:
             group.outbox.put(handed)
 
-    def standby_due(self, shard: int) -> list[tuple[int, int]]:
-        """Shard ``shard``'s standby timers due now, ``(id, fire_at_ms)`` oldest first (for
-        a warm takeover; :mod:`durable.raft.standby`)."""
+    def standby_due(self, shard: int, ahead_ms: int | None = 0) -> list[tuple[int, int]]:
+        """Shard ``shard``'s standby timers due within ``ahead_ms`` (``None``: all), as
+        ``(id, fire_at_ms)`` oldest first, for a warm takeover (:mod:`.standby`)."""
         consumer = self.groups[shard].consumer
+        upto = 2**63 - 1 if ahead_ms is None else self.now_ms() + ahead_ms
         with consumer.lock:
-            return standby.overdue(consumer.state.pending, self.now_ms())
+            return standby.overdue(consumer.state.pending, upto)
 
     def state_of(self, shard: int) -> ShardState:
         """The replicated state of shard ``shard`` as applied on this node."""

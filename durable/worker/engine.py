@@ -280,10 +280,7 @@ class Engine(Ownership):
         for runner in list(self.runners.values()):
             if now >= runner.next_rescan_ms:
                 found += runner.rescan(now)
-        # Warm takeovers (Raft): the standby's overdue timers fired above; now the rows.
-        for runner in [r for r in self.runners.values() if r.rebuild_pending]:
-            runner.rebuild_pending = False
-            found += runner.rebuild(now)
+        found += self._rebuild_warm(now)  # Raft's warm takeovers: the rows, in turns
         # Lines left waiting (a limit changed, a wake lost): at a shard's load, then
         # every minute; the timers it makes due fire in this turn still.
         if self.lines.due(now):

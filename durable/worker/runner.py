@@ -237,9 +237,10 @@ def load_acquired(
     Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took.
 
     ``raft``: the runner journals its wheel for replication; and when the standby
-    had overdue timers (``got.standby``), they go in first and the rebuild waits for the
-    engine's next fires (``rebuild_pending``): the overdue fire without waiting for the
-    rows to be read. Each fire is fenced and re-reads its row, so a stale entry is a no-op.
+    held timers (``got.standby``, those due within about a minute), they go in first, at
+    their own times, and the rebuild waits for the engine's next turns
+    (``rebuild_pending``): the near ones fire without waiting for the rows to be read.
+    Each fire is fenced and re-reads its row (due, pending), so a stale entry is a no-op.
     """
     started = time.monotonic()
     runner = ShardRunner(shard=got.shard, token=got.token, db=db, conf=conf, now_ms=now_ms)
@@ -248,9 +249,9 @@ def load_acquired(
         runner.start_journal(now_ms)
     rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
     if got.standby:
-        for timer_id, fire_at in got.standby:
+        for timer_id, fire_at in got.standby:  # at their own times: none fires early
             if timer_id not in runner.wheel:
-                runner.wheel.insert(timer_id, min(fire_at, now_ms))
+                runner.wheel.insert(timer_id, fire_at)
         runner.rebuild_pending = True
         loaded = len(got.standby)
     else:

@@ -78,8 +78,14 @@ class StandIn:
     def term(self, shard):
         return 7
 
-    def standby_due(self, shard):
+    def standby_due(self, shard, ahead_ms=0):
         return []
+
+    def hand_away(self, shards):
+        self.handed_away = list(shards)
+
+    def leads_any(self, shards):
+        return False
 
     def state_of(self, shard):
         from durable.raft.state import ShardState
