@@ -59,6 +59,7 @@ class ShardRunner:
         self.later: dict[int, tuple[array[int], array[int]]] = {}
         self.later_from = 0
         self.rebuild_pending = False  # warm takeover: standby timers first, rows next
+        self.standby_times: dict[int, int] = {}  # what the standby said, till the rebuild
 
     def __repr__(self) -> str:
         return f"ShardRunner(shard={self.shard}, token={self.token}, pending={len(self.wheel)})"
@@ -133,6 +134,13 @@ class ShardRunner:
             bucket_of(now_ms, self.conf.BUCKET_SHIFT) - 1,
             self.loaded_upto_bucket,
         )
+        if self.standby_times:  # a warm takeover's: the rows' times win
+            said, self.standby_times = self.standby_times, {}
+            for timer_id, fire_at in overdue_and_soon + ahead:
+                # Moved since it was replicated (a reschedule the kill cut off): the wheel
+                # has it at the standby's time, and a later one would make it fire late.
+                if said.get(timer_id, fire_at) != fire_at:
+                    self.wheel.cancel(timer_id)
         loaded = self.add_many(overdue_and_soon) + self.add_many(ahead)
         self.next_rescan_ms = self._next_rescan_ms(now_ms)
         return loaded
@@ -252,6 +260,7 @@ def load_acquired(
         for timer_id, fire_at in got.standby:  # at their own times: none fires early
             if timer_id not in runner.wheel:
                 runner.wheel.insert(timer_id, fire_at)
+                runner.standby_times[timer_id] = fire_at
         runner.rebuild_pending = True
         loaded = len(got.standby)
     else:
