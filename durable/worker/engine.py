@@ -271,8 +271,11 @@ class Engine(Ownership):
         if now >= self._next_rebalance_ms or self.keeper.raft_pending(self.runners):
             self._maintain_leases(now)
         self.chores.before_firing(now)
+        paced = False  # a warm takeover's horizon: one shard's few buckets a turn
         for runner in list(self.runners.values()):
-            runner.load_ahead(now)
+            if not (runner.paced and paced):
+                paced |= runner.paced
+                runner.load_ahead(now)
         fired = self._fire_due()
         # Rescans come after the fires, so a timer announced by NOTIFY does not wait
         # behind a shard's rescan; what a rescan finds due is fired in this turn still.
@@ -280,7 +283,6 @@ class Engine(Ownership):
         for runner in list(self.runners.values()):
             if now >= runner.next_rescan_ms:
                 found += runner.rescan(now)
-        found += self._rebuild_warm(now)  # Raft's warm takeovers: the rows, in turns
         # Lines left waiting (a limit changed, a wake lost): at a shard's load, then
         # every minute; the timers it makes due fire in this turn still.
         if self.lines.due(now):

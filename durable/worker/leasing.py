@@ -118,8 +118,8 @@ class LeaseKeeper:
             row = rows.get(shard)
             previous = row.owner if row is not None else ""
             cursor = row.cursor_ms if row is not None else 0
-            # All it holds (the owner replicated timers due within a minute): the near
-            # ones fire from it while the shards' rebuilds from the rows take turns.
+            # All it holds (the owner replicated timers due within a minute): they fire
+            # from it while the rest of the horizon is read a few buckets a turn.
             standby = tuple(raft.standby_due(shard, ahead_ms=None))
             taken.append(Acquired(shard, token, previous, cursor, standby))
             self.unloaded[shard] = taken[-1]

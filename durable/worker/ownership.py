@@ -17,9 +17,6 @@ from durable.worker import raftlink
 from durable.worker.logs import event
 from durable.worker.runner import load_acquired
 
-REBUILD_TURN_S = 0.05
-"""Most time one turn spends rebuilding warm-taken shards from the rows (Raft)."""
-
 HAND_AWAY_WAIT_S = 1.0
 """A stopping node with Raft on waits this long at most for its groups' new leaders
 (a transfer takes a heartbeat or two) before it goes; past it, its groups elect them."""
@@ -132,19 +129,6 @@ class Ownership:
             self.metrics.on_rebuild(runner.rebuild_s)
             taken_over = bool(got.previous_owner) and got.previous_owner != self.node
             self.metrics.on_lease("takeover" if taken_over else "acquired", len(self.runners))
-
-    def _rebuild_warm(self, now: int) -> int:
-        """Warm takeovers (Raft): rebuild shards from the rows until ``REBUILD_TURN_S``
-        went (at least one); the others wait for the next turns, their near timers firing
-        from the standby meanwhile. A third of the shards with 1M timers pending was about
-        a second of reads in one turn, and every fire waited behind it."""
-        found, until = 0, time.monotonic() + REBUILD_TURN_S
-        for runner in [r for r in self.runners.values() if r.rebuild_pending]:
-            runner.rebuild_pending = False
-            found += runner.rebuild(now)
-            if time.monotonic() >= until:
-                break
-        return found
 
     def _wait_for_new_leaders(self, deadline: float) -> None:
         """Raft on: give the leadership transfers asked for up to ``HAND_AWAY_WAIT_S``

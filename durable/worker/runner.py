@@ -25,6 +25,12 @@ from durable.worker.logs import event
 
 log = logging.getLogger("durable.worker")
 
+WARM_BUCKETS_PER_TURN = 8
+"""A warm takeover's horizon is read this many buckets a turn, one shard a turn (see
+:func:`load_acquired`): turns stay short, so the loop keeps handing due work to the
+handlers' threads (a whole third of the shards' horizons at once kept the woken
+workflow runs waiting for threads for a second and more)."""
+
 REPLICATE_AHEAD_MS = 60_000
 """Raft on: a timer is replicated when it comes within this of its fire time, not when it
 enters the wheel (the wheel holds ~70 min). The standby exists for the takeover's first
@@ -58,8 +64,9 @@ class ShardRunner:
         # slots before later_from are journalled directly.
         self.later: dict[int, tuple[array[int], array[int]]] = {}
         self.later_from = 0
-        self.rebuild_pending = False  # warm takeover: standby timers first, rows next
-        self.standby_times: dict[int, int] = {}  # what the standby said, till the rebuild
+        # A warm takeover's (Raft): the horizon beyond the next bucket is read a few
+        # buckets a turn (WARM_BUCKETS_PER_TURN), not all at once.
+        self.paced = False
 
     def __repr__(self) -> str:
         return f"ShardRunner(shard={self.shard}, token={self.token}, pending={len(self.wheel)})"
@@ -122,9 +129,13 @@ class ShardRunner:
                 added += 1
         return added
 
-    def rebuild(self, now_ms: int) -> int:
-        """Fill the wheel from the database after taking the lease: backlog and horizon."""
-        self.loaded_upto_bucket = self._horizon_bucket(now_ms)
+    def rebuild(
+        self, now_ms: int, upto_bucket: int | None = None, standby: dict[int, int] | None = None
+    ) -> int:
+        """Fill the wheel from the database after taking the lease: backlog and horizon
+        (or up to ``upto_bucket``). ``standby``: what a warm takeover put in the wheel
+        already (id to fire time); the rows' times win over it."""
+        self.loaded_upto_bucket = upto_bucket or self._horizon_bucket(now_ms)
         overdue_and_soon = firing.rescan_due_soon(
             self.db, self.shard, now_ms, self.conf.BUCKET_SHIFT
         )
@@ -134,13 +145,11 @@ class ShardRunner:
             bucket_of(now_ms, self.conf.BUCKET_SHIFT) - 1,
             self.loaded_upto_bucket,
         )
-        if self.standby_times:  # a warm takeover's: the rows' times win
-            said, self.standby_times = self.standby_times, {}
-            for timer_id, fire_at in overdue_and_soon + ahead:
-                # Moved since it was replicated (a reschedule the kill cut off): the wheel
-                # has it at the standby's time, and a later one would make it fire late.
-                if said.get(timer_id, fire_at) != fire_at:
-                    self.wheel.cancel(timer_id)
+        for timer_id, fire_at in overdue_and_soon + ahead if standby else ():
+            # Moved since it was replicated (a reschedule the kill cut off): the wheel
+            # has it at the standby's time, and a later one would make it fire late.
+            if standby.get(timer_id, fire_at) != fire_at:  # type: ignore[union-attr]
+                self.wheel.cancel(timer_id)
         loaded = self.add_many(overdue_and_soon) + self.add_many(ahead)
         self.next_rescan_ms = self._next_rescan_ms(now_ms)
         return loaded
@@ -148,8 +157,11 @@ class ShardRunner:
     def load_ahead(self, now_ms: int) -> int:
         """Read the buckets that entered the horizon since the last call."""
         horizon = self._horizon_bucket(now_ms)
-        if horizon <= self.loaded_upto_bucket or self.rebuild_pending:
+        if horizon <= self.loaded_upto_bucket:
             return 0
+        if self.paced:
+            horizon = min(horizon, self.loaded_upto_bucket + WARM_BUCKETS_PER_TURN)
+            self.paced = horizon < self._horizon_bucket(now_ms)
         rows = firing.load_window(self.db, self.shard, self.loaded_upto_bucket, horizon)
         self.loaded_upto_bucket = horizon
         return self.add_many(rows)
@@ -158,8 +170,6 @@ class ShardRunner:
         """Re-read what is due within two rescan intervals; return how many ids were new."""
         interval_ms = int(self.conf.RESCAN_INTERVAL_S * 1000)
         self.next_rescan_ms = self._next_rescan_ms(now_ms)
-        if self.rebuild_pending:
-            return 0  # the rebuild reads all of it
         rows = firing.rescan_due_soon(
             self.db, self.shard, now_ms + 2 * interval_ms, self.conf.BUCKET_SHIFT
         )
@@ -245,10 +255,13 @@ def load_acquired(
     Logs ``shard.loaded``; ``runner.rebuild_s`` says how long it took.
 
     ``raft``: the runner journals its wheel for replication; and when the standby
-    held timers (``got.standby``, those due within about a minute), they go in first, at
-    their own times, and the rebuild waits for the engine's next turns
-    (``rebuild_pending``): the near ones fire without waiting for the rows to be read.
-    Each fire is fenced and re-reads its row (due, pending), so a stale entry is a no-op.
+    held timers (``got.standby``, those due within about a minute), it is a warm
+    takeover: they go in at their own times, the rows are read up to the next bucket
+    only (the rows' times win over the standby's), and the rest of the horizon a few
+    buckets a turn (``paced``): a third of the shards with 1M timers pending was about a
+    second of reads in one turn, with the handlers' threads waiting for the interpreter
+    behind it. Each fire is fenced and re-reads its row (due, pending), so a stale
+    standby entry is a no-op.
     """
     started = time.monotonic()
     runner = ShardRunner(shard=got.shard, token=got.token, db=db, conf=conf, now_ms=now_ms)
@@ -257,12 +270,12 @@ def load_acquired(
         runner.start_journal(now_ms)
     rerun = claims.release_stale_claims(db, got.shard, got.token, now_ms)
     if got.standby:
-        for timer_id, fire_at in got.standby:  # at their own times: none fires early
-            if timer_id not in runner.wheel:
-                runner.wheel.insert(timer_id, fire_at)
-                runner.standby_times[timer_id] = fire_at
-        runner.rebuild_pending = True
-        loaded = len(got.standby)
+        standby = dict(got.standby)
+        for timer_id, fire_at in standby.items():  # at their own times: none fires early
+            runner.wheel.insert(timer_id, fire_at)
+        near = bucket_of(now_ms, conf.BUCKET_SHIFT) + 1
+        loaded = len(standby) + runner.rebuild(now_ms, upto_bucket=near, standby=standby)
+        runner.paced = True
     else:
         loaded = runner.rebuild(now_ms)
     runner.rebuild_s = time.monotonic() - started
