@@ -273,7 +273,10 @@ def load_acquired(
         standby = dict(got.standby)
         for timer_id, fire_at in standby.items():  # at their own times: none fires early
             runner.wheel.insert(timer_id, fire_at)
-        near = bucket_of(now_ms, conf.BUCKET_SHIFT) + 1
+        # Up to the next bucket, and at least the standby's furthest timer (a minute and a
+        # slot of LATER_SHIFT ahead at most): each one's row is read, and its time wins.
+        near = bucket_of(max(now_ms + 1, *standby.values()), conf.BUCKET_SHIFT)
+        near = max(near, bucket_of(now_ms, conf.BUCKET_SHIFT) + 1)
         loaded = len(standby) + runner.rebuild(now_ms, upto_bucket=near, standby=standby)
         runner.paced = True
     else:

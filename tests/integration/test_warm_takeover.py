@@ -30,9 +30,9 @@ def test_the_rows_time_wins_and_the_far_horizon_comes_in_turns():
     now = int(datetime.now(UTC).timestamp() * 1000)
     moved = durable.schedule(probes.record, args=["moved"], at=at(now + 50_000))
     far = durable.schedule(probes.record, args=["far"], at=at(now + 40 * 60_000))
-    other = Timer.objects.filter(shard=moved.shard).exclude(pk__in=[moved.pk, far.pk])
-    assert not other.exists()
-    Timer.objects.filter(pk=far.pk).update(shard=moved.shard)
+    # The standby's furthest timer, beyond the next bucket: its row is read all the same.
+    beyond = durable.schedule(probes.record, args=["beyond"], at=at(now + 190_000))
+    Timer.objects.filter(pk__in=[far.pk, beyond.pk]).update(shard=moved.shard)
     leases.ensure_shards("default", conf.SHARDS)
     token = leases.acquire("default", moved.shard, "n2", now, 10)
     assert token is not None
@@ -42,7 +42,8 @@ def test_the_rows_time_wins_and_the_far_horizon_comes_in_turns():
     Timer.objects.filter(pk=moved.pk).update(
         fire_at_ms=soon, bucket=bucket_of(soon, conf.BUCKET_SHIFT)
     )
-    got = Acquired(moved.shard, token, "n1", now, standby=((moved.pk, now + 50_000),))
+    standby = ((moved.pk, now + 50_000), (beyond.pk, now + 200_000))
+    got = Acquired(moved.shard, token, "n1", now, standby=standby)
     runner = load_acquired("default", conf, got, now, raft=True)
     # The far horizon is not read at the takeover...
     assert runner.paced and far.pk not in runner.wheel
@@ -54,3 +55,4 @@ def test_the_rows_time_wins_and_the_far_horizon_comes_in_turns():
     assert far.pk in runner.wheel
     assert turns >= (40 * 60_000 >> conf.BUCKET_SHIFT) // WARM_BUCKETS_PER_TURN - 1
     assert runner.due(soon) == [moved.pk]  # at the row's time, not 49 s late
+    assert runner.due(now + 190_000) == [beyond.pk]  # not 10 s late
