@@ -78,15 +78,6 @@ def _check(batch: Any) -> None:
 
 
 @dataclass(slots=True)
-class Applied:
-    """What one batch changed (for tests and the metrics)."""
-
-    added: list[tuple[int, int]]
-    removed: list[int]
-    owner_changed: bool
-
-
-@dataclass(slots=True)
 class ShardState:
     """One shard's replicated state (identical on every replica of its group)."""
 
@@ -98,7 +89,7 @@ class ShardState:
     batches: int = 0
     last_at_ms: int = 0
 
-    def apply(self, batch: Any) -> Applied:
+    def apply(self, batch: Any) -> None:
         """Apply one batch; raises :class:`BadBatch` (changing nothing) on a bad one.
 
         A batch from an older owner (a lower token) than the one already recorded is a
@@ -107,23 +98,15 @@ class ShardState:
         """
         _check(batch)
         if batch["token"] < self.token:
-            return Applied([], [], False)
-        owner_changed = (batch["owner"], batch["token"]) != (self.owner, self.token)
+            return
         self.owner, self.token = batch["owner"], batch["token"]
         self.term = max(self.term, batch["term"])
         self.cursor_ms = max(self.cursor_ms, batch["cursor_ms"])
-        removed = []
         for timer_id in batch["remove"]:
-            if self.pending.pop(timer_id, None) is not None:
-                removed.append(timer_id)
-        added = []
-        for timer_id, fire_at in batch["add"]:
-            if self.pending.get(timer_id) != fire_at:
-                self.pending[timer_id] = fire_at
-                added.append((timer_id, fire_at))
+            self.pending.pop(timer_id, None)
+        self.pending.update(batch["add"])
         self.batches += 1
         self.last_at_ms = batch["at_ms"]
-        return Applied(added, removed, owner_changed)
 
 
 def shape(handed: Handed, term: int) -> list[dict[str, Any]]:
