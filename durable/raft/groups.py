@@ -231,9 +231,8 @@ class GroupSet:
         # up with the log, never the case under a steady load (refused every time).
         target, until = self._handing_away[group.shard]
         shard = group.shard
-        peers = [self.config.group_address(p, shard) for p in self.config.peers]
-        if target is not None:
-            peers = [self.config.group_address(target, shard)]
+        names = self.config.peers if target is None else [target]
+        peers = [self.config.group_address(p, shard) for p in names]
         first = shard % len(peers) if peers else 0  # spread over the peers
         leads = transfer_leadership_away(group.syncobj, peers[first:] + peers[:first], _node)
         if not leads or now >= until:

@@ -95,8 +95,10 @@ def transfer_leadership_away(syncobj: Any, peers: list[str], node: Callable[[str
     """
     if not syncobj._isLeader():
         return False
+    # Only the peers named: pysyncobj's own choice (None) picks among the same connected
+    # peers, and a balancing transfer must go to the peer the balancer counted.
     answers: list[bool] = []  # pysyncobj answers each request at once: refused or not
-    for target in [p for p in peers if syncobj.isNodeConnected(node(p))] + [None]:
+    for target in [p for p in peers if syncobj.isNodeConnected(node(p))]:
         syncobj.transferLeadership(target, lambda _res, err: answers.append(bool(err)))
         if answers and not answers[-1]:
             break

@@ -145,11 +145,12 @@ class ShardRunner:
             bucket_of(now_ms, self.conf.BUCKET_SHIFT) - 1,
             self.loaded_upto_bucket,
         )
-        for timer_id, fire_at in overdue_and_soon + ahead if standby else ():
-            # Moved since it was replicated (a reschedule the kill cut off): the wheel
-            # has it at the standby's time, and a later one would make it fire late.
-            if standby.get(timer_id, fire_at) != fire_at:  # type: ignore[union-attr]
-                self.wheel.cancel(timer_id)
+        if standby:
+            for timer_id, fire_at in overdue_and_soon + ahead:
+                # Moved since it was replicated (a reschedule the kill cut off): the wheel
+                # has it at the standby's time, and a later one would make it fire late.
+                if standby.get(timer_id, fire_at) != fire_at:
+                    self.wheel.cancel(timer_id)
         loaded = self.add_many(overdue_and_soon) + self.add_many(ahead)
         self.next_rescan_ms = self._next_rescan_ms(now_ms)
         return loaded
