@@ -58,6 +58,7 @@ from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
 from durable.worker import admission, counting
+from durable.worker.ahead import CountAhead
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.calls import BatchCalls
@@ -136,6 +137,8 @@ class Firer:
         """Timers whose bookkeeping failed even alone: not fired again by this process."""
         self.attempts = AttemptTracker(db, claims.Counted(), {})
         """The current :meth:`fire` call's attempts (given back if its batch fails)."""
+        self.ahead = CountAhead(db, clock)
+        """The next batch's count, made while the current one runs."""
 
     @property
     def in_flight(self) -> int:
@@ -144,7 +147,7 @@ class Firer:
 
     # -- batches -------------------------------------------------------------------------
 
-    def fire(self, work: Work) -> dict[int, BatchOutcome]:
+    def fire(self, work: Work, ahead: Work = ()) -> dict[int, BatchOutcome]:
         """Fire one batch: due ids of one or more shards; return an outcome per shard.
 
         Firing the due timers of many shards together is what keeps lateness low at a
@@ -155,12 +158,16 @@ class Firer:
         Suspects held by the count (see :mod:`durable.storage.claims`) fire after the
         rest, one per batch, each counted just before: a neighbour that takes the process
         down must not cost them an attempt they never started, nor they their neighbours.
+        ``ahead`` is the batch the caller fires next: its attempts are counted while this
+        one runs (:mod:`durable.worker.ahead`).
         """
-        work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
-        work = [(runner, ids) for runner, ids in work if ids]
+        work = self._unquarantined(work)
         outcomes: dict[int, BatchOutcome] = {}
         lost: dict[int, str] = {}
-        counted = counting.count(self.db, self.clock, work, lost)
+        found = self.ahead.take(work)  # counted while the batch before ran
+        counted = counting.count(self.db, self.clock, work, lost) if found is None else found[0]
+        lost.update(found[1] if found is not None else {})
+        self.ahead.start(self._unquarantined(ahead))
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
         work = counting.skip_locked(self.clock, work, counted.locked, self.metrics)
         runners = {runner.shard: runner for runner, _ in work}
@@ -184,9 +191,14 @@ class Firer:
                     outcome.alone.clear()
         except (OperationalError, InterfaceError):  # this worker lives: durable.worker.attempts
             attempts.give_back(self.clock.now_ms(), reconnect=True)
+            self.ahead.drop()
             raise
         attempts.give_back(self.clock.now_ms(), reconnect=False)  # shards lost meanwhile
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
+
+    def _unquarantined(self, work: Work) -> Work:
+        work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
+        return [(runner, ids) for runner, ids in work if ids]
 
     def _fire_contained(
         self, work: Work, counted: claims.Counted, lost: dict[int, str]
