@@ -5,8 +5,14 @@ that commits first (:func:`durable.storage.claims.count_attempts`). That stateme
 writes a new version of every due row: in a drain it was 40% of the database time of a
 fire (docs/benchmarks.md, "Issue 16: the drain (helper)"), and the loop waited for it
 between every two batches. :class:`CountAhead` runs the next batch's count on a
-connection and thread of its own while the current batch's transaction runs on the
-loop's, so the server counts one batch while it fires the other.
+connection and thread of its own while the current batch records its outcomes and
+commits on the loop's, so the server counts one batch while it finishes the other.
+
+It starts once every handler of the current batch ran (after the suspects that run
+alone, when there are any): a handler that takes the process down has then cost the
+next batch nothing, as before. A worker killed from outside while its batch commits
+(SIGKILL, the OOM killer) leaves the next batch counted, its timers *suspects* that run
+alone at their next attempt, as it leaves the batch in flight.
 
 Nothing about the count changes: the same statement, fenced by the same lease tokens,
 committed before any handler of its batch runs (:meth:`CountAhead.take` waits for it).
@@ -65,14 +71,16 @@ class CountAhead:
         return self._pending is not None
 
     def enabled(self) -> bool:
-        """Whether a count may run on another connection (PostgreSQL, no open transaction)."""
+        """Whether a count may run on another connection (PostgreSQL, and no transaction
+        open on the loop's: asked before the batch's own begins)."""
         conn = connections[self.db]
         return conn.vendor == "postgresql" and not conn.in_atomic_block
 
     def start(self, work: Work) -> None:
-        """Start counting ``work`` (the next batch), if counts may run ahead here."""
+        """Start counting ``work`` (the next batch): only where :meth:`enabled` said so
+        before the current batch's transaction began."""
         self.drop()  # one count ahead at most
-        if not work or not self.enabled():
+        if not work:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="durable-count")

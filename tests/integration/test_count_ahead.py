@@ -13,7 +13,7 @@ import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 import durable
 from durable.core.sharding import shard_of_timer
@@ -88,6 +88,45 @@ def test_the_next_batch_is_counted_on_its_own_thread_and_fires_once(engine, cloc
     assert FireRecord.objects.count() == 6
 
 
+def test_the_count_ahead_starts_once_every_handler_of_the_batch_ran(engine, clock, monkeypatch):
+    """A handler that takes the process down then costs the next batch nothing."""
+    first, second = _due_work(engine, clock)
+    ran_before: list[int] = []
+    real = engine.firer.ahead.start
+
+    def start(work):
+        ran_before.append(FireRecord.objects.count())  # the batch's open transaction
+        real(work)
+
+    monkeypatch.setattr(engine.firer.ahead, "start", start)
+    engine.firer.fire(first, second)
+    assert ran_before == [3]  # all three handlers of the first batch, then the count
+    assert set(_rows(first).values()) == {("fired", 1, None)}
+
+
+def test_with_a_suspect_to_run_alone_the_count_ahead_waits_for_it(engine, clock, monkeypatch):
+    """A suspect (an attempt of it started and never ended: its handler may kill the
+    process) runs alone after its batch; the next batch is counted only after it ran."""
+    first, second = _due_work(engine, clock)
+    runner, ids = first[0]
+    Timer.objects.filter(id=ids[0]).update(attempts=1, claim_token=runner.token)
+    suspect_key = Timer.objects.get(id=ids[0]).key
+    ran_before: list[list[str]] = []
+    real = engine.firer.ahead.start
+
+    def start(work):
+        ran_before.append(sorted(FireRecord.objects.values_list("key", flat=True)))
+        real(work)
+
+    monkeypatch.setattr(engine.firer.ahead, "start", start)
+    engine.firer.fire(first, second)
+    assert len(ran_before) == 1 and len(ran_before[0]) == 3
+    assert suspect_key in ran_before[0]  # it ran (alone, last) before the count started
+    assert Timer.objects.get(id=ids[0]).attempts == 2
+    engine.firer.fire(second)
+    assert set(_rows(second).values()) == {("fired", 1, None)}
+
+
 def test_a_count_whose_batch_does_not_run_is_given_back(engine, clock):
     first, second = _due_work(engine, clock)
     engine.firer.fire(first, second)
@@ -112,14 +151,16 @@ def test_a_count_made_for_other_work_is_given_back_and_the_batch_counted_anew(
     assert set(rows.values()) == {("fired", 1, None)}
 
 
-def test_inside_a_transaction_counts_run_in_the_loop(engine, clock):
+def test_inside_a_transaction_counts_run_in_the_loop(engine, clock, count_threads):
     """Another connection could not see a transaction's rows (a test's, say)."""
-    _, second = _due_work(engine, clock)
+    first, second = _due_work(engine, clock)
     with transaction.atomic():
-        assert connection.in_atomic_block
         assert not engine.firer.ahead.enabled()
-        engine.firer.ahead.start(second)
+        engine.firer.fire(first, second)
         assert not engine.firer.ahead.pending
+        engine.firer.fire(second)
+    assert count_threads == [threading.current_thread().name] * 2
+    assert set(_rows(first + second).values()) == {("fired", 1, None)}
     assert engine.firer.ahead.enabled()
 
 
