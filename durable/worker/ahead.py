@@ -1,10 +1,10 @@
-"""Count the next batch's attempts while the current batch runs (PostgreSQL).
+"""Count the next batch's attempts while the current batch finishes (PostgreSQL).
 
 Every batch's attempts are counted before its handlers run, in a statement of their own
 that commits first (:func:`durable.storage.claims.count_attempts`). That statement
-writes a new version of every due row: in a drain it was 40% of the database time of a
-fire (docs/benchmarks.md, "Issue 16: the drain (helper)"), and the loop waited for it
-between every two batches. :class:`CountAhead` runs the next batch's count on a
+writes a new version of every due row: in a drain it was about half of the worker's
+statement time per fire (docs/benchmarks.md, "Issue 16: the drain (helper)"), and the
+loop waited for it between every two batches. :class:`CountAhead` runs the next batch's count on a
 connection and thread of its own while the current batch records its outcomes and
 commits on the loop's, so the server counts one batch while it finishes the other.
 
@@ -17,11 +17,11 @@ alone at their next attempt, as it leaves the batch in flight.
 Nothing about the count changes: the same statement, fenced by the same lease tokens,
 committed before any handler of its batch runs (:meth:`CountAhead.take` waits for it).
 The two batches hold disjoint timer rows, and both statements only share-lock the lease
-rows; the loop's own lease writes (renewal, rebalancing) wait for a count in flight
-first (:meth:`CountAhead.wait`), so the two connections never wait on each other.
+rows; the loop's own lease writes (a renewal between batches) wait for a count in
+flight first (:meth:`CountAhead.wait`), so the two connections never wait on each other.
 
-A count whose batch does not run as counted (the turn's budget ran out, the worker is
-stopping, a shard was dropped meanwhile, the batch before it failed) is given back with
+A count whose batch does not run as counted (the worker is stopping, a shard was dropped
+meanwhile, the batch before it failed on a database error) is given back with
 :meth:`durable.worker.attempts.AttemptTracker.give_back`, on the condition that each row
 still has the attempts and token it was counted with: as if it had never been counted.
 Off PostgreSQL (one writer), or when the loop's connection is inside a transaction (a
@@ -31,7 +31,6 @@ test's: another connection could not see its rows), every count runs in the loop
 from __future__ import annotations
 
 import contextlib
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,8 +41,6 @@ from durable.storage import claims
 from durable.worker import counting
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import Work
-
-log = logging.getLogger("durable.worker")
 
 __all__ = ["CountAhead"]
 
