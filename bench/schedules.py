@@ -44,8 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import REPO, Lateness, connect, setup_django
 
 SERVER = "postgres://durable:durable@127.0.0.1:5432"
-DURABLE_URL = f"{SERVER}/durable_bench_cron"
-DBOS_URL = f"{SERVER}/durable_bench_dbos"
+# Overridable (the database name only), so that sessions sharing the server each drop and
+# create databases of their own.
+DURABLE_URL = f"{SERVER}/{os.environ.get('DURABLE_BENCH_CRON_DB', 'durable_bench_cron')}"
+DBOS_URL = f"{SERVER}/{os.environ.get('DURABLE_BENCH_DBOS_DB', 'durable_bench_dbos')}"
 TABLE = "durable_cronschedule"
 
 

@@ -111,6 +111,84 @@ def schedule_one_per_transaction(n: int, fire_at_ms: int) -> float:
     return time.perf_counter() - started
 
 
+class RawInserter:
+    """The raw baseline of :func:`schedule_one_per_transaction`: the same row by hand.
+
+    A plain psycopg connection in autocommit mode, one statement per transaction, with
+    psycopg's defaults (server-side binding; the statement is prepared after its fifth
+    use, which Django's connections do not do). The row is the one ``schedule(NOOP,
+    at=...)`` writes: the same table and values, a random shard, the clock stamps from
+    Python. With ``notify``, the same ``pg_notify`` as schedule() sends, folded into the
+    statement; without, a bare INSERT + commit (the naive peer's narrow table is not the
+    same work). Call it with a count; it returns the seconds those inserts took.
+    """
+
+    def __init__(self, fire_at_ms: int, *, notify: bool) -> None:
+        from bench._common import DURABLE_URL, connect
+
+        conf = get_settings()
+        insert = (
+            "INSERT INTO durable_timer (shard, bucket, fire_at_ms, state, kind, target, args,"
+            " kwargs, attempts, max_attempts, backoff_base_s, backoff_max_s, on_complete,"
+            " last_error, created_at, updated_at) VALUES (%s, %s, %s, 'pending', 'handler',"
+            " %s, %s, %s, 0, 5, 1.0, 3600.0, '', '', %s, %s) RETURNING id, shard"
+        )
+        self.sql = insert
+        if notify:
+            self.sql = (
+                f"WITH t AS ({insert}) SELECT id, pg_notify(%s, shard::text || ',' ||"
+                " id::text || ',' || %s::text) FROM t"
+            )
+        self.notify = notify
+        self.fire_at_ms = fire_at_ms
+        self.bucket = fire_at_ms >> conf.BUCKET_SHIFT
+        self.shards = conf.SHARDS
+        self.conn = connect(DURABLE_URL)
+
+    def __call__(self, n: int) -> float:
+        import random
+
+        from psycopg.types.json import Jsonb
+
+        from durable.storage.notify import CHANNEL
+
+        execute = self.conn.execute
+        started = time.perf_counter()
+        for _ in range(n):
+            now = datetime.now(tz=UTC)
+            params = [random.randrange(self.shards), self.bucket, self.fire_at_ms, NOOP]
+            params += [Jsonb([]), Jsonb({}), now, now]
+            if self.notify:
+                params += [CHANNEL, str(self.fire_at_ms)]
+            execute(self.sql, params).fetchone()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+
+def schedule_against_raw(n: int, fire_at_ms: int, chunk: int = 100) -> dict[str, float]:
+    """schedule() and the two raw baselines, alternated ``chunk`` calls at a time.
+
+    Returns the rate of each (``schedule``, ``raw_notify``, ``raw``): alternating in small
+    chunks gives all three the same share of a shared machine's load.
+    """
+    with_notify = RawInserter(fire_at_ms, notify=True)
+    bare = RawInserter(fire_at_ms, notify=False)
+    spent = {"schedule": 0.0, "raw_notify": 0.0, "raw": 0.0}
+    try:
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            spent["schedule"] += schedule_one_per_transaction(size, fire_at_ms)
+            spent["raw_notify"] += with_notify(size)
+            spent["raw"] += bare(size)
+    finally:
+        with_notify.close()
+        bare.close()
+    return {name: n / seconds for name, seconds in spent.items()}
+
+
 def sql_insert(
     n: int, first_ms: int, step_ms: float, *, shard: int | None = None, target: str = NOOP
 ) -> float:
