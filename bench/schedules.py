@@ -22,7 +22,9 @@ Sections:
   ``shared_preload_libraries``). Target: 0.
 
 Every section runs on its own fresh database ``durable_bench_cron`` (DBOS: its own
-``durable_bench_dbos``) on PostgreSQL at 127.0.0.1.
+``durable_bench_dbos``; ``DURABLE_BENCH_CRON_DB`` / ``DURABLE_BENCH_DBOS_DB`` name others)
+on PostgreSQL at 127.0.0.1. The in-process engine runs with the start-up objects frozen
+out of the garbage collector's reach, as ``manage.py run_timer_shards`` runs it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """``schedule``, ``schedule_many`` and ``cancel``: the public timer API.
 
-Each call validates everything first, then writes with the ORM on
-``DURABLE["DATABASE"]`` inside the caller's transaction: it never commits on its own, and
-a rollback leaves nothing behind. Near-term timers are announced to their worker with
-PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
+Each call validates everything first, then writes on ``DURABLE["DATABASE"]`` inside the
+caller's transaction: it never commits on its own, and a rollback leaves nothing behind.
+Near-term timers are announced to their worker with PostgreSQL NOTIFY in that same
+transaction, delivered only if it commits. A ``schedule()`` without a parent is one
+statement on PostgreSQL, the insert and its NOTIFY (:mod:`durable.storage.single`); in
+autocommit mode that statement is its own transaction.
 """
 
 from __future__ import annotations
