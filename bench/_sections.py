@@ -55,8 +55,9 @@ def schedule_section(b: Any) -> None:
     for _ in range(s.reps):
         quiet_gc()
         rounds.append(d.schedule_against_raw(s.single, due))
-    ours, raw_notify, raw_bare = (
-        median([one[name] for one in rounds]) for name in ("schedule", "raw_notify", "raw")
+    ours, raw_notify, raw_bare, narrow = (
+        median([one[name] for one in rounds])
+        for name in ("schedule", "raw_notify", "raw", "narrow")
     )
     theirs = rate(s.single, scheduler.defer_one_per_transaction(s.single, due))
     naive = rate(s.single, n.insert_one_per_transaction(DURABLE_URL, s.single, due))
@@ -81,6 +82,17 @@ def schedule_section(b: Any) -> None:
             f"{ours / raw_notify:.2f}x / {ours / raw_bare:.2f}x",
             ">= 0.6x raw INSERT + commit",
             hit(ours >= 0.6 * raw_bare),
+        )
+    )
+    r.add(
+        Row(
+            "schedule rate",
+            f"one per transaction ({s.single:,}), alternated the same way: schedule() / the"
+            " naive two-column INSERT (issue 16's first baseline, no NOTIFY)",
+            fmt_rate(ours),
+            "-",
+            fmt_rate(narrow),
+            f"{ours / narrow:.2f}x",
         )
     )
     bulk, batch, copy, many = [], [], [], []

@@ -145,6 +145,17 @@ class RawInserter:
         self.shards = conf.SHARDS
         self.conn = connect(DURABLE_URL)
 
+    @classmethod
+    def narrow(cls, fire_at_ms: int) -> RawInserter:
+        """Issue 16's original baseline, alternated the same way: the naive peer's
+        two-column ``bench_naive_timer`` (``naive_poller.prepare`` first), no NOTIFY."""
+        inserter = cls(fire_at_ms, notify=False)
+        inserter.sql = "INSERT INTO bench_naive_timer (fire_at, handler) VALUES (%s, 'noop')"
+        inserter.narrow_at = to_dt(fire_at_ms)
+        return inserter
+
+    narrow_at: datetime | None = None
+
     def __call__(self, n: int) -> float:
         import random
 
@@ -154,6 +165,11 @@ class RawInserter:
 
         execute = self.conn.execute
         started = time.perf_counter()
+        if self.narrow_at is not None:
+            started = time.perf_counter()
+            for _ in range(n):
+                execute(self.sql, [self.narrow_at])
+            return time.perf_counter() - started
         for _ in range(n):
             now = datetime.now(tz=UTC)
             params = [random.randrange(self.shards), self.bucket, self.fire_at_ms, NOOP]
@@ -171,21 +187,25 @@ class RawInserter:
 def schedule_against_raw(n: int, fire_at_ms: int, chunk: int = 100) -> dict[str, float]:
     """schedule() and the two raw baselines, alternated ``chunk`` calls at a time.
 
-    Returns the rate of each (``schedule``, ``raw_notify``, ``raw``): alternating in small
-    chunks gives all three the same share of a shared machine's load.
+    Returns the rate of each (``schedule``, ``raw_notify``, ``raw``, ``narrow``: issue
+    16's two-column INSERT): alternating in small chunks gives them all the same share of
+    a shared machine's load.
     """
-    with_notify = RawInserter(fire_at_ms, notify=True)
-    bare = RawInserter(fire_at_ms, notify=False)
-    spent = {"schedule": 0.0, "raw_notify": 0.0, "raw": 0.0}
+    inserters = {
+        "raw_notify": RawInserter(fire_at_ms, notify=True),
+        "raw": RawInserter(fire_at_ms, notify=False),
+        "narrow": RawInserter.narrow(fire_at_ms),
+    }
+    spent = {"schedule": 0.0, **dict.fromkeys(inserters, 0.0)}
     try:
         for start in range(0, n, chunk):
             size = min(chunk, n - start)
             spent["schedule"] += schedule_one_per_transaction(size, fire_at_ms)
-            spent["raw_notify"] += with_notify(size)
-            spent["raw"] += bare(size)
+            for name, inserter in inserters.items():
+                spent[name] += inserter(size)
     finally:
-        with_notify.close()
-        bare.close()
+        for inserter in inserters.values():
+            inserter.close()
     return {name: n / seconds for name, seconds in spent.items()}
 
 
