@@ -111,6 +111,104 @@ def schedule_one_per_transaction(n: int, fire_at_ms: int) -> float:
     return time.perf_counter() - started
 
 
+class RawInserter:
+    """The raw baseline of :func:`schedule_one_per_transaction`: the same row by hand.
+
+    A plain psycopg connection in autocommit mode, one statement per transaction, with
+    psycopg's defaults (server-side binding; the statement is prepared after its fifth
+    use, which Django's connections do not do). The row is the one ``schedule(NOOP,
+    at=...)`` writes: the same table and values, a random shard, the clock stamps from
+    Python. With ``notify``, the same ``pg_notify`` as schedule() sends, folded into the
+    statement; without, a bare INSERT + commit (the naive peer's narrow table is not the
+    same work). Call it with a count; it returns the seconds those inserts took.
+    """
+
+    def __init__(self, fire_at_ms: int, *, notify: bool) -> None:
+        from bench._common import DURABLE_URL, connect
+
+        conf = get_settings()
+        insert = (
+            "INSERT INTO durable_timer (shard, bucket, fire_at_ms, state, kind, target, args,"
+            " kwargs, attempts, max_attempts, backoff_base_s, backoff_max_s, on_complete,"
+            " last_error, created_at, updated_at) VALUES (%s, %s, %s, 'pending', 'handler',"
+            " %s, %s, %s, 0, 5, 1.0, 3600.0, '', '', %s, %s) RETURNING id, shard"
+        )
+        self.sql = insert
+        if notify:
+            self.sql = (
+                f"WITH t AS ({insert}) SELECT id, pg_notify(%s, shard::text || ',' ||"
+                " id::text || ',' || %s::text) FROM t"
+            )
+        self.notify = notify
+        self.fire_at_ms = fire_at_ms
+        self.bucket = fire_at_ms >> conf.BUCKET_SHIFT
+        self.shards = conf.SHARDS
+        self.conn = connect(DURABLE_URL)
+
+    @classmethod
+    def narrow(cls, fire_at_ms: int) -> RawInserter:
+        """Issue 16's original baseline, alternated the same way: the naive peer's
+        two-column ``bench_naive_timer`` (``naive_poller.prepare`` first), no NOTIFY."""
+        inserter = cls(fire_at_ms, notify=False)
+        inserter.sql = "INSERT INTO bench_naive_timer (fire_at, handler) VALUES (%s, 'noop')"
+        inserter.narrow_at = to_dt(fire_at_ms)
+        return inserter
+
+    narrow_at: datetime | None = None
+
+    def __call__(self, n: int) -> float:
+        import random
+
+        from psycopg.types.json import Jsonb
+
+        from durable.storage.notify import CHANNEL
+
+        execute = self.conn.execute
+        started = time.perf_counter()
+        if self.narrow_at is not None:
+            started = time.perf_counter()
+            for _ in range(n):
+                execute(self.sql, [self.narrow_at])
+            return time.perf_counter() - started
+        for _ in range(n):
+            now = datetime.now(tz=UTC)
+            params = [random.randrange(self.shards), self.bucket, self.fire_at_ms, NOOP]
+            params += [Jsonb([]), Jsonb({}), now, now]
+            if self.notify:
+                params += [CHANNEL, str(self.fire_at_ms)]
+            execute(self.sql, params).fetchone()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+
+def schedule_against_raw(n: int, fire_at_ms: int, chunk: int = 100) -> dict[str, float]:
+    """schedule() and the two raw baselines, alternated ``chunk`` calls at a time.
+
+    Returns the rate of each (``schedule``, ``raw_notify``, ``raw``, ``narrow``: issue
+    16's two-column INSERT): alternating in small chunks gives them all the same share of
+    a shared machine's load.
+    """
+    inserters = {
+        "raw_notify": RawInserter(fire_at_ms, notify=True),
+        "raw": RawInserter(fire_at_ms, notify=False),
+        "narrow": RawInserter.narrow(fire_at_ms),
+    }
+    spent = {"schedule": 0.0, **dict.fromkeys(inserters, 0.0)}
+    try:
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            spent["schedule"] += schedule_one_per_transaction(size, fire_at_ms)
+            for name, inserter in inserters.items():
+                spent[name] += inserter(size)
+    finally:
+        for inserter in inserters.values():
+            inserter.close()
+    return {name: n / seconds for name, seconds in spent.items()}
+
+
 def sql_insert(
     n: int, first_ms: int, step_ms: float, *, shard: int | None = None, target: str = NOOP
 ) -> float:

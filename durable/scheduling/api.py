@@ -1,14 +1,17 @@
 """``schedule``, ``schedule_many`` and ``cancel``: the public timer API.
 
-Each call validates everything first, then writes with the ORM on
-``DURABLE["DATABASE"]`` inside the caller's transaction: it never commits on its own, and
-a rollback leaves nothing behind. Near-term timers are announced to their worker with
-PostgreSQL NOTIFY in that same transaction, delivered only if it commits.
+Each call validates everything first, then writes on ``DURABLE["DATABASE"]`` inside the
+caller's transaction: it never commits on its own, and a rollback leaves nothing behind.
+Near-term timers are announced to their worker with PostgreSQL NOTIFY in that same
+transaction, delivered only if it commits. A ``schedule()`` without a parent is one
+statement on PostgreSQL, the insert and its NOTIFY (:mod:`durable.storage.single`); in
+autocommit mode that statement is its own transaction.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from types import FunctionType
@@ -25,7 +28,7 @@ from durable.models import Timer, TimerKind
 from durable.scheduling import debounce as debouncing
 from durable.scheduling import validation as v
 from durable.storage import debounce as debounce_store
-from durable.storage import parents
+from durable.storage import parents, single
 from durable.storage import timers as store
 from durable.storage.bulk import paused_gc
 
@@ -90,6 +93,10 @@ def schedule(
     timer = planner.plan(fn_or_dotted_name, options, "")
     planner.check_parents()
     db = conf.DATABASE
+    if timer.parent_id is None:
+        # No parent to lock and check: the insert and its NOTIFY, one statement on
+        # PostgreSQL (storage.single), in the caller's transaction.
+        return single.insert_announced(db, timer, conf, now_ms)[0]
     with transaction.atomic(using=db, savepoint=False):
         born = parents.cancel_if_parent_canceled(db, [timer])  # born cancelled: see there
         timer, created = store.insert_timer(db, timer)
@@ -205,7 +212,6 @@ class _Planner:
         self.conf = conf
         self.now_ms = now_ms
         self._specs: dict[Any, HandlerSpec] = {}
-        self._shapes: dict[str, v.CallShape] = {}
         self._parents: dict[int, str] = {}
         self._defaults = (conf.MAX_ATTEMPTS, conf.BACKOFF_BASE_S, conf.BACKOFF_MAX_S)
 
@@ -257,11 +263,7 @@ class _Planner:
     ) -> None:
         """Raise ``TypeError`` if the handler cannot be called with ``args``/``kwargs``,
         which would otherwise fail every attempt in the worker."""
-        try:
-            shape = self._shapes[spec.name]
-        except KeyError:
-            shape = self._shapes[spec.name] = v.call_shape(spec.fn)
-        v.check_binds(shape, f"handler {spec.name}", args, kwargs, where, name)
+        v.check_binds(_shape(spec.fn), f"handler {spec.name}", args, kwargs, where, name)
 
     def policy(
         self, spec: HandlerSpec, max_attempts: Any, backoff: Any, where: str
@@ -305,6 +307,23 @@ class _Planner:
             raise TimerError(
                 f"{self._parents[parent_id]}: no timer with id {parent_id}", parent=parent_id
             )
+
+
+#: Handlers' call shapes, read once per function: ``inspect.signature`` cost more than the
+#: rest of planning a timer, and a planner lives for one call. Weak: a handler registered
+#: anew (tests, reloads) drops its old function's entry.
+_SHAPES: weakref.WeakKeyDictionary[Any, v.CallShape] = weakref.WeakKeyDictionary()
+
+
+def _shape(fn: Any) -> v.CallShape:
+    try:
+        return _SHAPES[fn]
+    except KeyError:
+        pass
+    except TypeError:  # no weak reference to it: read it every time
+        return v.call_shape(fn)
+    shape = _SHAPES[fn] = v.call_shape(fn)
+    return shape
 
 
 def _resolve(target: Any, name: str) -> HandlerSpec:
