@@ -24,12 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import (
-    DatabaseError,
-    InterfaceError,
-    OperationalError,
-    connections,
-)
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.db.backends.signals import connection_created
 
 from durable.conf import DurableSettings, get_settings
@@ -60,10 +55,11 @@ log = logging.getLogger("durable.worker")
 MAX_SLEEP_S = 1.0
 RAFT_WAKE_S = 0.1
 TURN_BUDGET_MS = 500
-"""Most time one turn spends firing (after its first batch): the rest of a backlog goes
-back to the wheels for the next turns. Lease and Raft changes, warm takeovers' rebuilds
-and the timers newly due wait for a turn's end: a turn that fired a whole backlog of
-tens of thousands ran for a minute after a Raft takeover (issue 17's rolling restart)."""
+"""Most time one turn spends firing (after its first batch, and one counted ahead then:
+durable.worker.ahead): the rest of a backlog goes back to the wheels for the next turns.
+Lease and Raft changes, warm takeovers' rebuilds and the timers newly due wait for a
+turn's end: a turn that fired a whole backlog of tens of thousands ran for a minute
+after a Raft takeover (issue 17's rolling restart)."""
 
 
 @dataclass(slots=True)
@@ -237,6 +233,7 @@ class Engine(Ownership):
         while self.firer.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.firer.ahead.close()
         if self.embedded is not None:
             self.embedded.stop()
         self._drain_inbox()
@@ -303,21 +300,25 @@ class Engine(Ownership):
         batches = pack(work, self.conf.BATCH_SIZE)
         for index, batch in enumerate(batches):
             stopping = self.stop_event.is_set()
-            if stopping or (index and self.clock.now_ms() - now >= TURN_BUDGET_MS):
+            spent = bool(index) and self.clock.now_ms() - now >= TURN_BUDGET_MS
+            if stopping or (spent and not self.firer.ahead.pending):  # counted: it runs
                 # Stopping (SIGTERM): no new batch, or a backlog of many would hold the
                 # exit back. The rest stays pending for the shards' next owners, and
                 # their cursors stay before it (they catch it up as a backlog). Budget
                 # spent: the rest goes back to the wheels, due first in the next turn.
                 behind.update(runner.shard for later in batches[index:] for runner, _ in later)
+                self.firer.ahead.drop()  # counted ahead, not to run now
                 if not stopping:
                     put_back(batches[index:], now)
                     self._first_shard = batches[index - 1][-1][0].shard + 1
                 break
-            # A long turn must not let leases lapse: renew between batches.
+            # Renew between batches, with no count in flight (durable.worker.ahead).
+            self.firer.ahead.wait()
             self._renew_if_due()
             # Shards lost meanwhile are left out; the new owner rebuilds from the rows.
-            batch = [(runner, ids) for runner, ids in batch if self._owns(runner)]
-            for shard, outcome in self.firer.fire(batch).items():
+            more = [] if spent else batches[index + 1 : index + 2]  # counted meanwhile
+            batch, *ahead = ([(r, i) for r, i in b if self._owns(r)] for b in [batch, *more])
+            for shard, outcome in self.firer.fire(batch, *ahead).items():
                 if outcome.lost:
                     self._drop(shard, reason=outcome.lost)
                     continue

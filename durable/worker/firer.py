@@ -14,28 +14,27 @@ handlers must therefore keep their effects inside the database: the handlers tha
 before the failure in that batch are called twice, and commit once.
 
 Every attempt is counted before its handler runs, in a short transaction of its own
-(:func:`durable.storage.claims.count_attempts`), so a handler that takes the process
-down has used its attempt all the same; a timer due again with every attempt used is
-dead-lettered (:class:`~durable.exceptions.AttemptsExhausted`), and a *suspect* (an
-attempt of it started and never recorded an outcome) runs alone in a batch of its own,
-counted only then, so it costs no neighbour an attempt again, nor a neighbour it. A
-handler that raises anything, a ``BaseException`` included, fails only its own attempt;
-an atomic one that runs past its timeout is interrupted (:mod:`durable.worker.deadline`).
+(:func:`durable.storage.claims.count_attempts`; the next batch's while this one records
+and commits, :mod:`durable.worker.ahead`), so a handler that takes the process down has
+used its attempt all the same; a timer due again with every attempt used is dead-lettered
+(:class:`~durable.exceptions.AttemptsExhausted`), and a *suspect* (an attempt of it
+started and never recorded an outcome) runs alone in a batch of its own, counted only
+then, so it costs no neighbour an attempt again, nor a neighbour it. A handler that raises
+anything, a ``BaseException`` included, fails only its own attempt; an atomic one that
+runs past its timeout is interrupted (:mod:`durable.worker.deadline`).
 
 External handlers (``atomic=False``) are claimed in the batch transaction, under the
-shard's lease token, and run on :class:`~durable.worker.external.ExternalRunner`'s
-threads after commit; the firer claims no more of them than it has free threads. A
-crash in between leaves the claim to the shard's next owner, which re-runs it at once
+shard's lease token, and run on :class:`~durable.worker.external.ExternalRunner`'s threads
+after commit; the firer claims no more of them than it has free threads. A crash in
+between leaves the claim to the shard's next owner, which re-runs it at once
 (:func:`durable.storage.claims.release_stale_claims`).
 
 On PostgreSQL a due timer whose row another session holds locked (a transaction that
 cancelled or rescheduled it and is still open) does not hold the batch: the count skips
 it (:attr:`durable.storage.claims.Counted.locked`), the batch runs without it, and its
 runner tries it again :data:`LOCKED_RETRY_MS` later (:mod:`durable.worker.counting`),
-until the row is free.
-
-What a batch writes about its outcomes, and what follows its commit, is
-:class:`~durable.worker.recording.BatchRecorder`'s.
+until the row is free. What a batch writes about its outcomes, and what follows its
+commit, is :class:`~durable.worker.recording.BatchRecorder`'s.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from durable.storage import claims
 from durable.storage import firing as store
 from durable.storage.notify import Announced, collecting
 from durable.worker import admission, counting
+from durable.worker.ahead import CountAhead
 from durable.worker.attempts import AttemptTracker
 from durable.worker.batches import BatchOutcome, Work, merge
 from durable.worker.calls import BatchCalls
@@ -136,6 +136,9 @@ class Firer:
         """Timers whose bookkeeping failed even alone: not fired again by this process."""
         self.attempts = AttemptTracker(db, claims.Counted(), {})
         """The current :meth:`fire` call's attempts (given back if its batch fails)."""
+        self.ahead = CountAhead(db, clock)
+        """The next batch's count, made while the current one records and commits."""
+        self._ahead: Work | None = None
 
     @property
     def in_flight(self) -> int:
@@ -144,7 +147,7 @@ class Firer:
 
     # -- batches -------------------------------------------------------------------------
 
-    def fire(self, work: Work) -> dict[int, BatchOutcome]:
+    def fire(self, work: Work, ahead: Work = ()) -> dict[int, BatchOutcome]:
         """Fire one batch: due ids of one or more shards; return an outcome per shard.
 
         Firing the due timers of many shards together is what keeps lateness low at a
@@ -155,12 +158,16 @@ class Firer:
         Suspects held by the count (see :mod:`durable.storage.claims`) fire after the
         rest, one per batch, each counted just before: a neighbour that takes the process
         down must not cost them an attempt they never started, nor they their neighbours.
+        ``ahead``, the batch the caller fires next, is counted once this one's handlers
+        ran, while it records and commits (:mod:`durable.worker.ahead`).
         """
-        work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
-        work = [(runner, ids) for runner, ids in work if ids]
+        work = self._unquarantined(work)
         outcomes: dict[int, BatchOutcome] = {}
         lost: dict[int, str] = {}
-        counted = counting.count(self.db, self.clock, work, lost)
+        found = self.ahead.take(work)  # counted while the batch before ran
+        counted = counting.count(self.db, self.clock, work, lost) if found is None else found[0]
+        lost.update(found[1] if found is not None else {})
+        self._ahead = self._unquarantined(ahead) if self.ahead.enabled() else None
         work = [(runner, ids) for runner, ids in work if runner.shard not in lost]
         work = counting.skip_locked(self.clock, work, counted.locked, self.metrics)
         runners = {runner.shard: runner for runner, _ in work}
@@ -184,9 +191,21 @@ class Firer:
                     outcome.alone.clear()
         except (OperationalError, InterfaceError):  # this worker lives: durable.worker.attempts
             attempts.give_back(self.clock.now_ms(), reconnect=True)
+            self._ahead = None
+            self.ahead.drop()
             raise
         attempts.give_back(self.clock.now_ms(), reconnect=False)  # shards lost meanwhile
+        self._start_ahead()  # if not started yet (suspects ran alone, say)
         return outcomes | {shard: BatchOutcome(lost=why) for shard, why in lost.items()}
+
+    def _start_ahead(self) -> None:
+        work, self._ahead = self._ahead, None
+        if work is not None:
+            self.ahead.start(work)
+
+    def _unquarantined(self, work: Work) -> Work:
+        work = [(r, [i for i in ids if i not in self.quarantined]) for r, ids in work]
+        return [(runner, ids) for runner, ids in work if ids]
 
     def _fire_contained(
         self, work: Work, counted: claims.Counted, lost: dict[int, str]
@@ -314,6 +333,8 @@ class Firer:
                 batch.only_claims = self.conf.ASYNC_COMMIT and not any(
                     o.fired or o.errors for o in outcomes.values()
                 )
+            if not counted.held:  # every handler ran (suspects alone after it included)
+                self._start_ahead()
             self.recorder.record(runners, outcomes, batch, counted, admitted)
         return outcomes, announced
 

@@ -50,3 +50,4 @@ def start_engine(clock: ManualClock, settings: Any) -> Iterator[Callable[..., En
     yield start
     for engine in started:
         engine.executor.shutdown(wait=True)
+        engine.firer.ahead.close()  # its thread's connection too
