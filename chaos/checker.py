@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chaos.celery_check import CELERY_INVARIANTS, check_celery
-from chaos.lateness import Bounds, explain, retry_due
+from chaos.lateness import Bounds, check_lateness
 
 __all__ = ["INVARIANTS", "Bounds", "History", "Verdict", "check"]
 
@@ -176,7 +176,7 @@ def check(history: History, *, report_only: frozenset[str] = frozenset()) -> Ver
     _poison(idx, verdict)
     _ledger_early(history, verdict)
     _stuck(history, verdict)
-    _lateness(history, idx, verdict)
+    check_lateness(history, idx, verdict)
     check_celery(history, idx.timers, verdict)
     if history.celery is not None:
         verdict.celery = {**history.celery, "delivered": len(history.deliveries)}
@@ -361,65 +361,3 @@ def _stuck(history: History, v: Verdict) -> None:
     for run in history.runs:
         if run["state"] in ("running", "pending"):
             v.flag("nothing_stuck", f"run {run['id']} left {run['state']}")
-
-
-def _lateness(history: History, idx: _Index, v: Verdict) -> None:
-    """Each fire's lateness against the bound of the worst fault that could explain it."""
-    bounds = history.bounds
-    faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
-    faults += history.holds
-    logged = {hold["timer_id"] for hold in history.holds if "timer_id" in hold}
-    for op in idx.by_kind["poison"]:
-        timer = idx.timer_by_id.get(op.get("timer_id"))
-        if timer and timer["id"] in logged:
-            continue  # its holds are known exactly
-        if timer and op["poison"] == "hang" and op["handler"] == "atomic_poison":
-            # It holds its worker's loop for the timeout, on each attempt, ending at its
-            # last update (the dead letter).
-            end = timer.get("updated_ms") or op["due_ms"]
-            spent = timer["attempts"] * bounds.atomic_timeout_s * 1000 + 1000
-            start = max(op["due_ms"], int(end - spent))
-            faults.append(
-                {"kind": "poison_hang", "start_ms": start, "end_ms": end, "target": op["op"]}
-            )
-    samples: list[tuple[str, int, int]] = []  # (what, due, fired)
-    for op in idx.by_kind["timer"]:
-        fires = idx.fires(op["op"])
-        if op["status"] == "committed" and fires and op.get("fail_times", 0) == 0:
-            move = idx.moves.get(op["op"])
-            due = move["due_ms"] if move else op["due_ms"]
-            fired = min(fires)[0]
-            failed = [
-                r for t in idx.timers.get(op["op"], []) for r in history.retries.get(t["id"], [])
-            ]
-            samples.append((op["op"], retry_due(due, fired, failed), fired))
-    for key, fired, due in history.ledger:
-        if due is not None and not key.startswith("t"):
-            samples.append((key, due, fired))
-    worst: dict[str, int] = {}
-    for what, due, fired in samples:
-        allowed, cover = explain(due, fired, faults, bounds)
-        if cover:
-            # The fault that explains the most lateness; figures count from its end (a
-            # freeze's SIGCONT, a lock's release; a kill's is its start).
-            culprit = max(cover, key=lambda f: f["start_ms"] + bounds.after(f))
-            end = culprit.get("end_ms", culprit["start_ms"])
-            kind, late = culprit["kind"], fired - max(due, end)
-        else:
-            kind, late = "none", fired - due
-        if late >= worst.get(kind, -1):
-            worst[kind] = late
-            v.worst[kind] = f"{what}: due {due}, fired {fired}" + (
-                f", {kind} at {culprit['start_ms']} ({culprit.get('target')})" if cover else ""
-            )
-        v.checked["lateness_within_bound"] += 1
-        if fired <= allowed and fired > explain(due, fired, faults, bounds, chain=False)[0]:
-            v.chained += 1
-        if fired > allowed:
-            near = [f"{f['kind']}@{f['start_ms']}" for f in cover] or ["no fault"]
-            v.flag(
-                "lateness_within_bound",
-                f"{what}: due {due}, fired {fired} ({fired - due} ms late), allowed "
-                f"{allowed - due} ms; faults: {', '.join(near)}",
-            )
-    v.lateness = worst

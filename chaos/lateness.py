@@ -1,6 +1,7 @@
 """Lateness: how late the worker may fire after each kind of fault (the documented bounds).
 
-Pure, like :mod:`chaos.checker`, which uses it.
+Pure, like :mod:`chaos.checker`, which uses it; :func:`check_lateness` is its
+``lateness_within_bound`` invariant.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the checker imports this module
+    from chaos.checker import History, Verdict
 
 #: A worker's log line for an attempt that ran to its timeout (durable.worker.outcomes).
 TIMED_OUT = re.compile(
@@ -219,3 +223,67 @@ def retry_due(due: int, fired: int, retries: list[tuple[int, int]]) -> int:
     its retry (no later than the fire itself); with none, ``due``."""
     before = [(failed, again) for failed, again in retries if failed < fired]
     return max(due, min(max(before)[1], fired)) if before else due
+
+
+def check_lateness(history: History, idx: Any, v: Verdict) -> None:
+    """The ``lateness_within_bound`` invariant (:func:`chaos.checker.check`): each fire's
+    lateness against the bound of the worst fault that could explain it; ``idx`` is the
+    checker's index of the history."""
+    bounds = history.bounds
+    faults = [f for f in history.faults if f["kind"] not in ("restart", "lock_error")]
+    faults += history.holds
+    logged = {hold["timer_id"] for hold in history.holds if "timer_id" in hold}
+    for op in idx.by_kind["poison"]:
+        timer = idx.timer_by_id.get(op.get("timer_id"))
+        if timer and timer["id"] in logged:
+            continue  # its holds are known exactly
+        if timer and op["poison"] == "hang" and op["handler"] == "atomic_poison":
+            # It holds its worker's loop for the timeout, on each attempt, ending at its
+            # last update (the dead letter).
+            end = timer.get("updated_ms") or op["due_ms"]
+            spent = timer["attempts"] * bounds.atomic_timeout_s * 1000 + 1000
+            start = max(op["due_ms"], int(end - spent))
+            faults.append(
+                {"kind": "poison_hang", "start_ms": start, "end_ms": end, "target": op["op"]}
+            )
+    samples: list[tuple[str, int, int]] = []  # (what, due, fired)
+    for op in idx.by_kind["timer"]:
+        fires = idx.fires(op["op"])
+        if op["status"] == "committed" and fires and op.get("fail_times", 0) == 0:
+            move = idx.moves.get(op["op"])
+            due = move["due_ms"] if move else op["due_ms"]
+            fired = min(fires)[0]
+            failed = [
+                r for t in idx.timers.get(op["op"], []) for r in history.retries.get(t["id"], [])
+            ]
+            samples.append((op["op"], retry_due(due, fired, failed), fired))
+    for key, fired, due in history.ledger:
+        if due is not None and not key.startswith("t"):
+            samples.append((key, due, fired))
+    worst: dict[str, int] = {}
+    for what, due, fired in samples:
+        allowed, cover = explain(due, fired, faults, bounds)
+        if cover:
+            # The fault that explains the most lateness; figures count from its end (a
+            # freeze's SIGCONT, a lock's release; a kill's is its start).
+            culprit = max(cover, key=lambda f: f["start_ms"] + bounds.after(f))
+            end = culprit.get("end_ms", culprit["start_ms"])
+            kind, late = culprit["kind"], fired - max(due, end)
+        else:
+            kind, late = "none", fired - due
+        if late >= worst.get(kind, -1):
+            worst[kind] = late
+            v.worst[kind] = f"{what}: due {due}, fired {fired}" + (
+                f", {kind} at {culprit['start_ms']} ({culprit.get('target')})" if cover else ""
+            )
+        v.checked["lateness_within_bound"] += 1
+        if fired <= allowed and fired > explain(due, fired, faults, bounds, chain=False)[0]:
+            v.chained += 1
+        if fired > allowed:
+            near = [f"{f['kind']}@{f['start_ms']}" for f in cover] or ["no fault"]
+            v.flag(
+                "lateness_within_bound",
+                f"{what}: due {due}, fired {fired} ({fired - due} ms late), allowed "
+                f"{allowed - due} ms; faults: {', '.join(near)}",
+            )
+    v.lateness = worst
