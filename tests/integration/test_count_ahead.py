@@ -16,11 +16,11 @@ import pytest
 from django.db import transaction
 
 import durable
-from durable.core.sharding import shard_of_timer
 from durable.models import Timer
 from durable.worker import counting
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
+from tests.integration.sharding_support import keys_in_shards
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -34,14 +34,7 @@ def engine(start_engine):
 
 def _due_work(engine, clock, per_shard: int = 3):
     """Schedule ``per_shard`` timers in two shards, make them due: one work item each."""
-    keys: dict[int, list[str]] = {0: [], 1: []}
-    i = 0
-    while any(len(v) < per_shard for v in keys.values()):
-        key = f"ahead-{i}"
-        shard = shard_of_timer(key, SHARDS)
-        if shard in keys and len(keys[shard]) < per_shard:
-            keys[shard].append(key)
-        i += 1
+    keys = keys_in_shards("ahead", 2, per_shard, SHARDS)
     for key in keys[0] + keys[1]:
         durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
     now = clock.now_ms()

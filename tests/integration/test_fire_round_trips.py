@@ -23,10 +23,10 @@ import pytest
 from django.db import connection, transaction
 
 import durable
-from durable.core.sharding import shard_of_timer
 from durable.models import Timer
 from durable.storage import firing, leases
 from testproject.demo import probes
+from tests.integration.sharding_support import keys_in_shards
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -58,14 +58,7 @@ def round_trips() -> Iterator[list[list[str]]]:
 
 
 def _keys(shards: int, per_shard: int, total_shards: int) -> list[str]:
-    found: dict[int, list[str]] = {s: [] for s in range(shards)}
-    i = 0
-    while any(len(v) < per_shard for v in found.values()):
-        key = f"trip-{i}"
-        shard = shard_of_timer(key, total_shards)
-        if shard in found and len(found[shard]) < per_shard:
-            found[shard].append(key)
-        i += 1
+    found = keys_in_shards("trip", shards, per_shard, total_shards)
     return [key for keys in found.values() for key in keys]
 
 

@@ -14,13 +14,13 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 import durable
-from durable.core.sharding import shard_of_timer
 from durable.models import ShardLease, Timer, WorkerNode
 from durable.worker.batches import pack
 from durable.worker.engine import Engine
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
 from tests.integration.polling import wait_for as _wait_for
+from tests.integration.sharding_support import keys_in_shards
 
 START_MS = 1_900_000_000_000
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -242,15 +242,7 @@ def test_a_row_moved_later_after_loading_does_not_fire_early(engine, clock):
 
 
 def _keys_in_every_shard(shards: int, per_shard: int) -> dict[int, list[str]]:
-    found: dict[int, list[str]] = {s: [] for s in range(shards)}
-    i = 0
-    while any(len(v) < per_shard for v in found.values()):
-        key = f"spread-{i}"
-        bucket = found[shard_of_timer(key, shards)]
-        if len(bucket) < per_shard:
-            bucket.append(key)
-        i += 1
-    return found
+    return keys_in_shards("spread", shards, per_shard, shards)
 
 
 def test_due_timers_of_several_shards_fire_in_one_fenced_transaction(engine, clock):
