@@ -1,8 +1,13 @@
-"""Keys that land in chosen shards, for tests that need timers in given shards."""
+"""Keys that land in chosen shards, and timers made due under them, for engine tests."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
+import durable
 from durable.core.sharding import shard_of_timer
+from testproject.demo import probes
 
 
 def keys_in_shards(prefix: str, shards: int, per_shard: int, total: int) -> dict[int, list[str]]:
@@ -16,3 +21,15 @@ def keys_in_shards(prefix: str, shards: int, per_shard: int, total: int) -> dict
             keys.append(key)
         i += 1
     return found
+
+
+def make_due(engine: Any, clock: Any, keys: list[str]) -> int:
+    """Schedule a ``probes.record`` timer per key 1 s out, load it, and move the manual
+    clock past it; return the new now (ms)."""
+    for key in keys:
+        durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
+    now = clock.now_ms()
+    for runner in engine.runners.values():
+        runner.rescan(now)
+    clock.advance(1_000)
+    return int(clock.now_ms())

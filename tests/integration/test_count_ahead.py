@@ -10,7 +10,6 @@ everything once, one attempt each.
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 
 import pytest
 from django.db import transaction
@@ -20,7 +19,7 @@ from durable.models import Timer
 from durable.worker import counting
 from testproject.demo import probes
 from testproject.demo.models import FireRecord
-from tests.integration.sharding_support import keys_in_shards
+from tests.integration.sharding_support import keys_in_shards, make_due
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -35,13 +34,7 @@ def engine(start_engine):
 def _due_work(engine, clock, per_shard: int = 3):
     """Schedule ``per_shard`` timers in two shards, make them due: one work item each."""
     keys = keys_in_shards("ahead", 2, per_shard, SHARDS)
-    for key in keys[0] + keys[1]:
-        durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
-    now = clock.now_ms()
-    for runner in engine.runners.values():
-        runner.rescan(now)
-    clock.advance(1_000)
-    now = clock.now_ms()
+    now = make_due(engine, clock, keys[0] + keys[1])
     first, second = (engine.runners[s] for s in (0, 1))
     return [(first, first.due(now))], [(second, second.due(now))]
 

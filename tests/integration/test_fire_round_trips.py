@@ -17,7 +17,6 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
@@ -26,7 +25,7 @@ import durable
 from durable.models import Timer
 from durable.storage import firing, leases
 from testproject.demo import probes
-from tests.integration.sharding_support import keys_in_shards
+from tests.integration.sharding_support import keys_in_shards, make_due
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -70,13 +69,7 @@ def engine(start_engine):
 @pytest.mark.parametrize(("shards", "per_shard"), [(1, 1), (4, 5)])
 def test_a_batch_costs_five_round_trips_besides_its_handlers(engine, clock, shards, per_shard):
     keys = _keys(shards, per_shard, 4)
-    for key in keys:
-        durable.schedule(probes.record, args=[key], key=key, delay=timedelta(seconds=1))
-    now = clock.now_ms()
-    for runner in engine.runners.values():
-        runner.rescan(now)
-    clock.advance(1_000)
-    now = clock.now_ms()
+    now = make_due(engine, clock, keys)
     work = [(runner, runner.due(now)) for runner in engine.runners.values()]
     work = [(runner, ids) for runner, ids in work if ids]
     assert len(work) == shards and sum(len(ids) for _, ids in work) == len(keys)
